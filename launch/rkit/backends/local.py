@@ -1,0 +1,139 @@
+"""Local backend: the processes of one attempt on this machine, jax.distributed over 127.0.0.1.
+
+prepare() is pure (a printable LaunchRequest); submit() starts it; poll/stop/nodes watch and end it.
+Each rank runs in its own process group so that a stop reaches everything it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    attempt: int
+    ranks: list[RankLaunch]
+    cwd: Path
+
+    def describe(self) -> str:
+        return "\n".join(f"rank {r.rank}: {' '.join(r.argv)}  > {r.log}" for r in self.ranks)
+
+
+@dataclass
+class RankExit:
+    rank: int
+    returncode: int  # negative: killed by that signal (subprocess convention)
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return f"signal {-self.returncode}"
+
+    def describe(self) -> str:
+        return f"killed by {self.signal_name}" if self.signal_name else f"exited with code {self.returncode}"
+
+
+@dataclass
+class LocalAttempt:
+    request: LaunchRequest
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    exits: dict[int, RankExit] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, python: str | None = None):
+        self.python = python or sys.executable
+
+    def prepare(self, *, attempt: int, processes: int, trainer_args: list[list[str]], base_env: dict[str, str],
+                attempt_dir: Path, cwd: Path, port: int | None = None) -> LaunchRequest:
+        coordinator = f"127.0.0.1:{port or free_port()}"
+        ranks = []
+        for rank in range(processes):
+            env = dict(base_env)
+            env.update({"RKIT_RANK": str(rank), "RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator,
+                        "PYTHONUNBUFFERED": "1"})
+            argv = [self.python, "-m", "rkit.agent", *trainer_args[rank]]
+            ranks.append(RankLaunch(rank=rank, argv=argv, env=env, log=attempt_dir / f"rank-{rank}.log"))
+        return LaunchRequest(attempt=attempt, ranks=ranks, cwd=cwd)
+
+    def submit(self, request: LaunchRequest) -> LocalAttempt:
+        handle = LocalAttempt(request=request)
+        try:
+            for r in request.ranks:
+                r.log.parent.mkdir(parents=True, exist_ok=True)
+                with open(r.log, "ab") as log:
+                    handle.procs[r.rank] = subprocess.Popen(
+                        r.argv, env=r.env, cwd=request.cwd, stdout=log, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError:
+            self.stop(handle, grace=0)
+            raise
+        return handle
+
+    def poll(self, handle: LocalAttempt) -> dict[int, RankExit]:
+        """Ranks that have exited so far (in the order noticed)."""
+        for rank, proc in handle.procs.items():
+            if rank not in handle.exits and proc.poll() is not None:
+                handle.exits[rank] = RankExit(rank, proc.returncode)
+                # Anything the rank started dies with it.
+                self._signal_group(proc, signal.SIGKILL)
+        return handle.exits
+
+    def running(self, handle: LocalAttempt) -> list[int]:
+        self.poll(handle)
+        return [rank for rank in handle.procs if rank not in handle.exits]
+
+    def signal_all(self, handle: LocalAttempt, sig: int) -> None:
+        for rank, proc in handle.procs.items():
+            if rank not in handle.exits:
+                self._signal_group(proc, sig)
+
+    def stop(self, handle: LocalAttempt, grace: float, sig: int = signal.SIGTERM) -> None:
+        """Idempotent: `sig` to every live rank, wait up to `grace` seconds, then SIGKILL and reap."""
+        if grace > 0:
+            self.signal_all(handle, sig)
+            deadline = time.monotonic() + grace
+            while self.running(handle) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.signal_all(handle, signal.SIGKILL)
+        for rank, proc in handle.procs.items():
+            proc.wait()
+            handle.exits.setdefault(rank, RankExit(rank, proc.returncode))
+            self._signal_group(proc, signal.SIGKILL)
+
+    def nodes(self, handle: LocalAttempt) -> list[str]:
+        return [socket.gethostname()]
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,111 @@
+"""rkit's command line: parse, call the library, print. No logic lives here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import RecipeError, RkitError
+
+EXIT_CODES = {"finished": 0, "gave up": 1, "interrupted": 130}
+
+
+class RkitGroup(click.Group):
+    """Turns an RkitError into one readable message and exit code 2 (no traceback for user mistakes)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RkitError as exc:
+            click.echo(f"rkit: error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+
+
+overrides_option = click.option("-o", "--override", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+                                help="Set a recipe value before validation (repeatable).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+@click.group(cls=RkitGroup)
+@click.version_option(__version__, prog_name="rkit")
+def main() -> None:
+    """Resilient, reproducible MaxText training: rkit run RECIPE, then rkit status RUN."""
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@overrides_option
+@json_option
+def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Check RECIPE against the schema; report every problem with its key and line."""
+    from .recipe import load_recipe
+
+    try:
+        loaded = load_recipe(recipe, overrides)
+    except RecipeError as exc:
+        if as_json:
+            click.echo(json.dumps({"valid": False, "file": exc.source,
+                                   "problems": [p.as_dict() for p in exc.problems]}, indent=2))
+            sys.exit(2)
+        raise
+    if as_json:
+        click.echo(json.dumps({"valid": True, "file": str(recipe), "config_hash": loaded.config_hash,
+                               "resolved": loaded.resolved}, indent=2, sort_keys=True))
+    else:
+        click.echo(f"{recipe}: valid; config hash {loaded.config_hash}")
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@overrides_option
+@click.option("--resume", is_flag=True, help="Continue an existing run of the same name and config.")
+@click.option("--inject", "injects", multiple=True, metavar="SPEC",
+              help="Inject a fault: kill:rank=R,step=S | exit:rank=R,step=S,code=C | sigterm:step=S "
+                   "(add ,repeat=true to fire every attempt).")
+@click.option("--quiet", is_flag=True, help="No live progress display.")
+def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool) -> None:
+    """Validate RECIPE, stamp a run directory and train under the supervisor."""
+    from . import report, runner
+    from .display import live_progress
+    from .inject import parse_injections
+    from .recipe import load_recipe
+
+    loaded = load_recipe(recipe, overrides)
+    injections = parse_injections(injects, loaded.processes)
+    with live_progress(enabled=not quiet, total=loaded.total_steps) as on_progress:
+        run_dir, state = runner.execute(loaded, resume=resume, injections=injections, on_progress=on_progress)
+    click.echo(report.render_status(report.status(run_dir)))
+    sys.exit(EXIT_CODES.get(state.value, 1))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@json_option
+def status(run_dir: Path, as_json: bool) -> None:
+    """Where RUN is: state and why, step, checkpoints, attempts and their causes, speed, ETA."""
+    from . import report
+    from .rundir import RunDir
+
+    summary = report.status(RunDir(run_dir))
+    click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else report.render_status(summary))
+
+
+@main.command()
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@json_option
+def diff(a: Path, b: Path, as_json: bool) -> None:
+    """Differences between two runs (or two manifest files), grouped; exit 1 when they differ."""
+    from .manifest import diff_sources, render_diff
+
+    result = diff_sources(a, b)
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_diff(result))
+    sys.exit(0 if result["identical"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The run directory: the contract between every rkit command. Paths, the writer lock, events."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import RkitError
+
+EVENTS = "events.jsonl"
+LOCK = ".lock"
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Write JSON so a reader never sees half a file (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(value, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """Lines of a JSONL file; a line cut short by a crash (or joined to the next) is skipped."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    yield value
+    except FileNotFoundError:
+        return
+
+
+class RunDir:
+    """Paths inside one run directory, plus the append-only event log."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    recipe = property(lambda self: self.path / "recipe.yaml")
+    resolved = property(lambda self: self.path / "resolved.json")
+    manifest = property(lambda self: self.path / "manifest.json")
+    events_file = property(lambda self: self.path / EVENTS)
+    metrics_dir = property(lambda self: self.path / "metrics")
+    attempts_dir = property(lambda self: self.path / "attempts")
+    # MaxText's base_output_directory is the run directory and its run_name is "checkpoints",
+    # so <run>/checkpoints is MaxText's output and Orbax saves under <run>/checkpoints/checkpoints/<step>.
+    maxtext_base = property(lambda self: self.path)
+    maxtext_run_name = "checkpoints"
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    orbax_dir = property(lambda self: self.path / "checkpoints" / "checkpoints")
+
+    def metrics_file(self, rank: int) -> Path:
+        return self.metrics_dir / f"{rank}.jsonl"
+
+    def attempt_dir(self, attempt: int) -> Path:
+        return self.attempts_dir / str(attempt)
+
+    def exists(self) -> bool:
+        return self.resolved.is_file()
+
+    def require(self) -> RunDir:
+        if not self.exists():
+            raise RkitError(f"{self.path}: not an rkit run directory (no resolved.json). "
+                            "Give a directory made by `rkit run`, e.g. runs/<name>.")
+        return self
+
+    def load_resolved(self) -> dict:
+        return json.loads(self.require().resolved.read_text(encoding="utf-8"))
+
+    def load_manifest(self) -> dict:
+        try:
+            return json.loads(self.manifest.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+
+    # ------------------------------------------------------------ events
+
+    def emit(self, name: str, /, **fields: Any) -> dict:
+        """Append one event; one write of one line, so concurrent writers do not interleave."""
+        event = {"t": round(time.time(), 3), **fields, "event": name}
+        line = json.dumps(event, sort_keys=True, default=str) + "\n"
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.events_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode("utf-8"))
+        finally:
+            os.close(fd)
+        return event
+
+    def events(self) -> list[dict]:
+        return list(read_jsonl(self.events_file))
+
+    # ------------------------------------------------------------ lock
+
+    def lock(self) -> RunLock:
+        return RunLock(self.path / LOCK)
+
+    def is_locked(self) -> bool:
+        """True while some process (a supervisor) holds this run's writer lock."""
+        path = self.path / LOCK
+        if not path.exists():
+            return False
+        with open(path, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+
+class RunLock:
+    """An exclusive flock on <run>/.lock, held by the one process that may write the run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fh = None
+
+    def acquire(self) -> RunLock:
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise RkitError(f"{self.path.parent}: this run is in use by {holder}. Wait for it to end "
+                            f"(rkit status {self.path.parent}) or stop it first; two writers would corrupt it.")
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

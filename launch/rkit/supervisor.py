@@ -1,0 +1,349 @@
+"""The attempt loop: start an attempt, watch it, classify how it ended, decide restart / finish / stop.
+
+The policy (`decide`) is a pure function of the tally so far and one attempt's outcome, so it can be
+tested exhaustively; `Supervisor` does the I/O: the backend, the run directory's events, the clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .backends.local import LocalBackend, RankExit
+from .inject import Injection, pending
+from .rundir import RunDir, write_json_atomic
+from .telemetry.metrics import MetricsTail, repair_tail
+from .trainers import maxtext
+
+
+class RunState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHED = "finished"
+    GAVE_UP = "gave up"
+    INTERRUPTED = "interrupted"
+    STOPPED = "stopped"  # the supervisor went away without saying why (killed, machine lost)
+
+    def is_terminal(self) -> bool:
+        return self in (RunState.FINISHED, RunState.GAVE_UP)
+
+
+class Cause(enum.Enum):
+    """How an attempt ended."""
+
+    COMPLETED = "completed"          # every rank exited 0 and the final step is committed
+    TASK_EXIT = "task_exit"          # a rank exited non-zero
+    TASK_SIGNAL = "task_signal"      # a rank was killed by a signal
+    PREEMPTED = "preempted"          # we asked for a save (SIGTERM) on a preemption / time-limit signal
+    INCOMPLETE = "incomplete"        # every rank exited 0 but the final step is not committed
+    INTERRUPTED = "interrupted"      # the user stopped the run (Ctrl-C)
+    LAUNCH_ERROR = "launch_error"    # the processes could not be started
+
+    @property
+    def infrastructure(self) -> bool:
+        return self is Cause.PREEMPTED
+
+
+@dataclass(frozen=True)
+class Budgets:
+    max_restarts: int
+    max_preemptions: int
+    crash_loop_limit: int
+
+    @classmethod
+    def from_resolved(cls, resolved: dict) -> Budgets:
+        r = resolved["resilience"]
+        return cls(r["max_restarts"], r["max_preemptions"], r["crash_loop_limit"])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    cause: Cause
+    committed_before: int | None
+    committed_after: int | None
+    detail: str = ""
+
+    @property
+    def progressed(self) -> bool:
+        return self.committed_after is not None and (self.committed_before is None
+                                                     or self.committed_after > self.committed_before)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What earlier attempts used of the budgets."""
+
+    training_failures: int = 0
+    preemptions: int = 0
+    stalled: int = 0  # consecutive failed attempts without a new committed checkpoint
+    stalled_details: tuple[str, ...] = ()
+
+
+class Action(enum.Enum):
+    RESTART = "restart"
+    FINISH = "finish"
+    GIVE_UP = "give_up"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bool) -> tuple[Decision, Tally]:
+    """Pure policy: classify first, then spend the matching budget."""
+    if final_committed:
+        return Decision(Action.FINISH, "the final step is committed"), tally
+    if outcome.cause is Cause.INTERRUPTED:
+        return Decision(Action.STOP, "stopped by the user; resume with `rkit run RECIPE --resume`"), tally
+    if outcome.cause is Cause.LAUNCH_ERROR:
+        return Decision(Action.GIVE_UP, f"the processes could not be started: {outcome.detail}"), tally
+    if outcome.cause.infrastructure:
+        tally = replace(tally, preemptions=tally.preemptions + 1, stalled=0, stalled_details=())
+        if tally.preemptions > budgets.max_preemptions:
+            return Decision(Action.GIVE_UP, f"preemption budget exhausted ({budgets.max_preemptions} "
+                                            "allowed: resilience.max_preemptions)"), tally
+        return Decision(Action.RESTART, f"preempted ({outcome.detail}); resuming from the last checkpoint"), tally
+    stalled = 0 if outcome.progressed else tally.stalled + 1
+    details = () if outcome.progressed else tally.stalled_details + (outcome.detail,)
+    tally = replace(tally, training_failures=tally.training_failures + 1, stalled=stalled, stalled_details=details)
+    if stalled >= budgets.crash_loop_limit:
+        last = "none" if outcome.committed_after is None else str(outcome.committed_after)
+        same = len(set(details)) == 1
+        how = (f"each failed the same way: {details[0]}. This looks deterministic: fix the cause and "
+               "run again with --resume" if same else "failures: " + "; ".join(details))
+        return Decision(Action.GIVE_UP, f"crash loop: {stalled} consecutive attempts failed without a new "
+                                        f"committed checkpoint (last committed step {last}); {how}"), tally
+    if tally.training_failures > budgets.max_restarts:
+        return Decision(Action.GIVE_UP, f"restart budget exhausted: {tally.training_failures} training failures, "
+                                        f"{budgets.max_restarts} restarts allowed (resilience.max_restarts); "
+                                        f"last: {outcome.detail}"), tally
+    return Decision(Action.RESTART, f"{outcome.detail}; restarting from the last committed checkpoint"), tally
+
+
+def tally_from_events(events: list[dict]) -> Tally:
+    """Budgets carry over when a run is resumed: replay the recorded decisions."""
+    tally = Tally()
+    for e in events:
+        if e.get("event") == "attempt.ended" and "tally" in e:
+            t = e["tally"]
+            tally = Tally(t["training_failures"], t["preemptions"], t["stalled"], tuple(t["stalled_details"]))
+    return tally
+
+
+@dataclass
+class Progress:
+    """What the display needs; updated by the supervisor as the run moves."""
+
+    total_steps: int
+    attempt: int = 0
+    step: int | None = None
+    committed: int | None = None
+    tokens_per_sec: float | None = None
+    message: str = ""
+
+
+@dataclass
+class Supervisor:
+    run: RunDir
+    resolved: dict
+    injections: list[Injection]
+    backend: LocalBackend
+    base_env: dict[str, str]
+    jax_cache_dir: str
+    on_progress: Callable[[Progress], None] = lambda p: None
+    poll_seconds: float = 0.1
+    clock: Callable[[], float] = time.monotonic
+    _interrupted: bool = field(default=False, init=False)
+
+    # ------------------------------------------------------------ signals
+
+    def request_stop(self, signum: int = signal.SIGINT, frame: object = None) -> None:
+        self._interrupted = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGTERM, self.request_stop)
+
+    # ------------------------------------------------------------ loop
+
+    @property
+    def processes(self) -> int:
+        res = self.resolved["resources"]
+        return res["nodes"] * res["processes_per_node"]
+
+    def final_committed(self) -> bool:
+        latest = maxtext.latest_committed_step(self.run)
+        return latest is not None and latest >= maxtext.final_step(self.resolved)
+
+    def next_attempt_number(self) -> int:
+        numbers = [int(p.name) for p in self.run.attempts_dir.glob("*") if p.name.isdigit()]
+        return max(numbers, default=0) + 1
+
+    def run_to_end(self) -> RunState:
+        budgets = Budgets.from_resolved(self.resolved)
+        events = self.run.events()
+        tally = tally_from_events(events)
+        progress = Progress(total_steps=int(self.resolved["trainer"]["steps"]))
+        progress.committed = maxtext.latest_committed_step(self.run)
+        if self.final_committed():
+            self.run.emit("run.finished", reason="the final step was already committed; nothing to run",
+                          committed_step=progress.committed)
+            return RunState.FINISHED
+        while True:
+            outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
+            final = self.final_committed()
+            decision, tally = decide(tally, outcome, budgets, final)
+            self.run.emit("attempt.ended", attempt=progress.attempt, cause=outcome.cause.value,
+                          detail=outcome.detail, committed_step=outcome.committed_after,
+                          decision=decision.action.value, reason=decision.reason,
+                          tally={"training_failures": tally.training_failures, "preemptions": tally.preemptions,
+                                 "stalled": tally.stalled, "stalled_details": list(tally.stalled_details)})
+            if decision.action is Action.FINISH:
+                self.run.emit("run.finished", reason=decision.reason, committed_step=outcome.committed_after)
+                return RunState.FINISHED
+            if decision.action is Action.GIVE_UP:
+                self.run.emit("run.gave_up", reason=decision.reason, committed_step=outcome.committed_after)
+                return RunState.GAVE_UP
+            if decision.action is Action.STOP:
+                self.run.emit("run.interrupted", reason=decision.reason, committed_step=outcome.committed_after)
+                return RunState.INTERRUPTED
+
+    def run_attempt(self, progress: Progress, injections: list[Injection]) -> Outcome:
+        attempt = self.next_attempt_number()
+        attempt_dir = self.run.attempt_dir(attempt)
+        attempt_dir.mkdir(parents=True, exist_ok=False)
+        committed_before = maxtext.latest_committed_step(self.run)
+        progress.attempt, progress.committed, progress.step = attempt, committed_before, committed_before
+        progress.message = f"attempt {attempt}: starting"
+        self.on_progress(progress)
+
+        self.run.metrics_dir.mkdir(exist_ok=True)
+        for rank in range(self.processes):
+            repair_tail(self.run.metrics_file(rank))
+        tails = {rank: MetricsTail(self.run.metrics_file(rank)) for rank in range(self.processes)}
+        for tail in tails.values():
+            tail.skip_existing()
+        in_trainer = [i for i in injections if i.in_trainer]
+        sigterm_at = min((i for i in injections if i.kind == "sigterm"), key=lambda i: i.step, default=None)
+
+        env = dict(self.base_env)
+        env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
+                    "RKIT_BASE_CONFIG": self.resolved["trainer"]["base_config"],
+                    "RKIT_INJECT": _json([i.as_dict() for i in in_trainer])})
+        args = [maxtext.maxtext_overrides(self.resolved, self.run, rank, self.jax_cache_dir)
+                for rank in range(self.processes)]
+        request = self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args,
+                                       base_env=env, attempt_dir=attempt_dir, cwd=Path.cwd())
+        started = time.time()
+        info = {"attempt": attempt, "started": started, "backend": self.backend.name,
+                "resume_from_step": committed_before, "injections": [i.spec for i in injections],
+                "ranks": [{"rank": r.rank, "argv": r.argv, "log": str(r.log.relative_to(self.run.path))}
+                          for r in request.ranks]}
+        try:
+            handle = self.backend.submit(request)
+        except OSError as exc:
+            return Outcome(Cause.LAUNCH_ERROR, committed_before, committed_before, f"{exc}")
+        info["nodes"] = self.backend.nodes(handle)
+        info["pids"] = {r: p.pid for r, p in handle.procs.items()}
+        write_json_atomic(attempt_dir / "attempt.json", info)
+        self.run.emit("attempt.started", attempt=attempt, resume_from_step=committed_before,
+                      nodes=info["nodes"], processes=self.processes, injections=info["injections"])
+
+        first_step_seen = False
+        cause: Cause | None = None
+        detail = ""
+        preempt_deadline: float | None = None
+        while True:
+            for rank, tail in tails.items():
+                for m in tail.poll():
+                    progress.step = m.step if rank == 0 or progress.step is None else max(progress.step, m.step)
+                    if rank == 0 and m.tokens_per_sec_per_device:
+                        progress.tokens_per_sec = m.tokens_per_sec_per_device * self.processes
+                    if not first_step_seen:
+                        first_step_seen = True
+                        self.run.emit("attempt.first_step", attempt=attempt, step=m.step, rank=rank,
+                                      seconds_since_start=round(time.time() - started, 3))
+            progress.committed = maxtext.latest_committed_step(self.run)
+            progress.message = f"attempt {attempt}"
+            self.on_progress(progress)
+
+            exits = self.backend.poll(handle)
+            failed = [e for e in exits.values() if e.returncode != 0]
+            if self._interrupted and cause is None:
+                cause, detail = Cause.INTERRUPTED, "interrupted by the user"
+                self.run.emit("stop.requested", attempt=attempt, reason="interrupt (Ctrl-C / SIGTERM)",
+                              grace_seconds=self._grace)
+                self.backend.stop(handle, grace=self._grace)
+                break
+            if (sigterm_at is not None and cause is None and progress.step is not None
+                    and progress.step >= sigterm_at.step):
+                cause, detail = Cause.PREEMPTED, f"SIGTERM at step {progress.step} (injected {sigterm_at.spec})"
+                self.run.emit("inject.fired", index=sigterm_at.index, kind="sigterm", step=progress.step,
+                              attempt=attempt, spec=sigterm_at.spec)
+                self.run.emit("preempt.requested", attempt=attempt, step=progress.step,
+                              signal="SIGTERM", grace_seconds=self._grace, reason="injected")
+                self.backend.signal_all(handle, signal.SIGTERM)
+                preempt_deadline = self.clock() + self._grace
+            if failed and cause is None:
+                first = failed[0]
+                last = tails[first.rank].last.step if tails[first.rank].last else None
+                cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
+                detail = f"rank {first.rank} {first.describe()} at step {_fmt(last)}"
+                self.run.emit("attempt.failed", attempt=attempt, cls=cause.value, rank=first.rank,
+                              exit_code=first.returncode if first.returncode >= 0 else None,
+                              signal=first.signal_name, last_step=last, node=info["nodes"][0])
+                # One rank is gone: its peers would hang in a collective; end the attempt now.
+                self.backend.stop(handle, grace=0)
+                break
+            if len(exits) == self.processes:
+                break
+            if preempt_deadline is not None and self.clock() >= preempt_deadline:
+                self.run.emit("preempt.escalated", attempt=attempt, signal="SIGKILL",
+                              still_running=self.backend.running(handle))
+                self.backend.stop(handle, grace=0)
+                break
+            time.sleep(self.poll_seconds)
+
+        committed_after = maxtext.latest_committed_step(self.run)
+        if cause is None:
+            cause = Cause.COMPLETED if self.final_committed() else Cause.INCOMPLETE
+            if cause is Cause.INCOMPLETE:
+                detail = f"all ranks exited 0 but step {maxtext.final_step(self.resolved)} is not committed"
+        if cause is Cause.PREEMPTED:
+            self.run.emit("preempt.saved" if committed_after != committed_before else "preempt.unsaved",
+                          attempt=attempt, committed_step=committed_after, step=progress.step)
+        info.update({"ended": time.time(), "cause": cause.value, "detail": detail,
+                     "committed_step": committed_after,
+                     "exits": {str(r): _exit_info(e) for r, e in sorted(handle.exits.items())}})
+        write_json_atomic(attempt_dir / "attempt.json", info)
+        return Outcome(cause, committed_before, committed_after, detail)
+
+    @property
+    def _grace(self) -> float:
+        return float(self.resolved["resilience"]["signal_grace_seconds"])
+
+
+def _exit_info(e: RankExit) -> dict:
+    return {"exit_code": e.returncode if e.returncode >= 0 else None, "signal": e.signal_name}
+
+
+def _fmt(step: int | None) -> str:
+    return "?" if step is None else str(step)
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def default_jax_cache_dir() -> str:
+    return os.environ.get("RKIT_JAX_CACHE_DIR") or str(Path.home() / ".cache" / "rkit" / "jax")

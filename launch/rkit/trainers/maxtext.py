@@ -1,0 +1,91 @@
+"""MaxText: its command line from a recipe, its committed checkpoints, its config files.
+
+Host side only needs the standard library; `resolve_base_config` runs in the training environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import RkitError
+from ..rundir import RunDir
+
+MODULE = "maxtext.trainers.pre_train.train"
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return json.dumps(value)
+    return str(value)
+
+
+def maxtext_overrides(resolved: dict, run: RunDir, rank: int, jax_cache_dir: str) -> list[str]:
+    """MaxText key=value arguments: the recipe's overrides, then the settings rkit owns."""
+    trainer = resolved["trainer"]
+    ckpt = resolved["checkpoint"]
+    args = [f"{k}={_render(v)}" for k, v in sorted(trainer.get("overrides", {}).items()) if v is not None]
+    owned = {
+        "steps": trainer["steps"],
+        "base_output_directory": str(run.maxtext_base.resolve()),
+        "run_name": run.maxtext_run_name,
+        "metrics_file": str(run.metrics_file(rank).resolve()),
+        "enable_checkpointing": True,
+        "checkpoint_period": ckpt["period"],
+        "async_checkpointing": ckpt["async"],
+        "jax_cache_dir": jax_cache_dir,
+    }
+    if ckpt.get("keep"):
+        owned["max_num_checkpoints_to_keep"] = ckpt["keep"]
+    if resolved["resources"]["nodes"] * resolved["resources"]["processes_per_node"] == 1:
+        owned["skip_jax_distributed_system"] = True
+    args.extend(f"{k}={_render(v)}" for k, v in owned.items())
+    return args
+
+
+def final_step(resolved: dict) -> int:
+    """MaxText trains steps 0..steps-1 and saves the last one: the run is done when it is committed."""
+    return int(resolved["trainer"]["steps"]) - 1
+
+
+def committed_steps(run: RunDir) -> list[int]:
+    """Steps with a committed Orbax checkpoint; a `*.orbax-checkpoint-tmp*` directory never counts."""
+    steps = []
+    try:
+        entries = list(os.scandir(run.orbax_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if not entry.is_dir() or TMP_MARKER in entry.name or not entry.name.isdigit():
+            continue
+        path = Path(entry.path)
+        if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists():
+            steps.append(int(entry.name))
+    return sorted(steps)
+
+
+def latest_committed_step(run: RunDir) -> int | None:
+    steps = committed_steps(run)
+    return steps[-1] if steps else None
+
+
+def resolve_base_config(name: str) -> str:
+    """A path as given, else a file inside the installed MaxText's configs directory."""
+    if os.path.isfile(name):
+        return os.path.abspath(name)
+    spec = importlib.util.find_spec("maxtext")
+    if spec is None or not spec.submodule_search_locations:
+        raise RkitError("MaxText is not installed in the training environment; run `make setup` "
+                        "(or use an image that has it).")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "configs" / name
+        if candidate.is_file():
+            return str(candidate)
+    raise RkitError(f"trainer.base_config: {name!r} is neither a file nor a config shipped with MaxText "
+                    f"(looked in {', '.join(spec.submodule_search_locations)}/configs).")
