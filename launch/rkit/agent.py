@@ -111,7 +111,6 @@ def main(argv: list[str] | None = None) -> None:
     arm_injections(ctx)
 
     from absl import app
-
     from maxtext.trainers.pre_train import train
 
     from .trainers.maxtext import resolve_base_config

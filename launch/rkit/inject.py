@@ -64,7 +64,7 @@ def parse_injection(spec: str, index: int = 0) -> Injection:
     try:
         numbers = {k: int(v) for k, v in fields.items() if k in ("rank", "step", "code")}
     except ValueError:
-        raise RkitError(f"--inject {spec!r}: rank, step and code must be whole numbers.")
+        raise RkitError(f"--inject {spec!r}: rank, step and code must be whole numbers.") from None
     if any(v < 0 for v in numbers.values()):
         raise RkitError(f"--inject {spec!r}: rank, step and code must not be negative.")
     repeat = fields.get("repeat", "false").lower()

@@ -175,3 +175,115 @@ def capture(*, with_jax: bool = False, recipe_path: Path | None = None,
     if with_jax:
         manifest["jax"] = jax_info()
     return manifest
+
+
+# ---------------------------------------------------------------- diff
+
+# Groups compared by `rkit diff`. "run" holds what must differ between two runs (identity, times,
+# hosts, where the recipe came from): shown, but it does not make two runs different.
+DIFF_GROUPS = ("config", "image", "packages", "environment", "hardware")
+INFO_GROUP = "run"
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, sub in value.items():
+            out.update(_flatten(sub, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def _latest_env_manifest(run_path: Path) -> dict[str, Any] | None:
+    """The training environment as rank 0 of the newest attempt captured it."""
+    import json
+
+    from .rundir import RunDir
+
+    run = RunDir(run_path)
+    for attempt in reversed(run.attempt_numbers()):
+        path = run.attempt_dir(attempt) / "env" / "rank-0.json"
+        if path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None
+
+
+def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
+    """A run directory or a manifest file, as the groups `rkit diff` compares."""
+    import json
+
+    from .errors import RkitError
+    from .recipe import hashed_config
+
+    stamp: dict[str, Any] = {}
+    config: dict[str, Any] = {}
+    env: dict[str, Any] | None = None
+    try:
+        if source.is_dir():
+            if not (source / "resolved.json").is_file():
+                raise RkitError(f"{source}: not an rkit run directory (no resolved.json) nor a manifest file.")
+            config = hashed_config(json.loads((source / "resolved.json").read_text(encoding="utf-8")))
+            stamp = json.loads((source / "manifest.json").read_text(encoding="utf-8"))
+            env = _latest_env_manifest(source)
+        else:
+            stamp = json.loads(source.read_text(encoding="utf-8"))
+            if not isinstance(stamp, dict):
+                raise ValueError("not a JSON object")
+            config = stamp.get("hashed_config", {})
+    except FileNotFoundError as exc:
+        raise RkitError(f"{source}: {exc.strerror}: {exc.filename}. "
+                        "Give two run directories or manifest files.") from None
+    except ValueError as exc:
+        raise RkitError(f"{source}: not a readable manifest ({exc}).") from None
+    if env is None:
+        env = stamp.get("host", stamp)  # a run's stamp, or an environment manifest itself
+    run_info = {k: v for k, v in stamp.get("run", {}).items()}
+    run_info.update({"hostname": env.get("system", {}).get("hostname"), "git": stamp.get("host", {}).get("git"),
+                     "injections": [i.get("spec") for i in stamp.get("injections", [])],
+                     "python_executable": env.get("python", {}).get("executable")})
+    return {
+        "config": _flatten(config),
+        "image": _flatten(stamp.get("image", {})),
+        "packages": {"python": env.get("python", {}).get("version"), **env.get("packages", {})},
+        "environment": dict(env.get("environment", {})),
+        "hardware": _flatten({"cpu": env.get("hardware", {}).get("cpu"),
+                              "memory_bytes": env.get("hardware", {}).get("memory_bytes"),
+                              "gpu": env.get("hardware", {}).get("gpu"),
+                              "machine": env.get("hardware", {}).get("machine"),
+                              "kernel": env.get("system", {}).get("kernel"),
+                              "os": env.get("system", {}).get("os"),
+                              "jax": {k: v for k, v in env.get("jax", {}).items()
+                                      if k not in ("process_index",)}}),
+        INFO_GROUP: _flatten(run_info),
+    }
+
+
+def diff_views(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for group in (*DIFF_GROUPS, INFO_GROUP):
+        left, right = a.get(group, {}), b.get(group, {})
+        changes = [{"key": key, "a": left.get(key), "b": right.get(key)}
+                   for key in sorted(set(left) | set(right)) if left.get(key) != right.get(key)]
+        if changes:
+            groups[group] = changes
+    return {"identical": not any(g in groups for g in DIFF_GROUPS), "groups": groups}
+
+
+def diff_sources(a: Path, b: Path) -> dict[str, Any]:
+    result = diff_views(comparable_view(Path(a)), comparable_view(Path(b)))
+    result.update({"a": str(a), "b": str(b)})
+    return result
+
+
+def render_diff(result: dict[str, Any]) -> str:
+    lines = [f"a: {result['a']}", f"b: {result['b']}"]
+    for group, changes in result["groups"].items():
+        note = " (expected to differ between runs; not counted)" if group == INFO_GROUP else ""
+        lines.append(f"{group} ({len(changes)}){note}")
+        lines.extend(f"  {c['key']}: {_show(c['a'])} -> {_show(c['b'])}" for c in changes)
+    lines.append("identical" if result["identical"] else "different")
+    return "\n".join(lines)
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is None else repr(value) if isinstance(value, str) else str(value)

@@ -103,9 +103,9 @@ def _read_text(path: Path) -> str:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise RkitError(f"{source}: no such recipe file. Give the path of a YAML recipe (see recipes/).")
+        raise RkitError(f"{source}: no such recipe file. Give the path of a YAML recipe (see recipes/).") from None
     except OSError as exc:
-        raise RkitError(f"{source}: cannot read the recipe: {exc.strerror}.")
+        raise RkitError(f"{source}: cannot read the recipe: {exc.strerror}.") from None
     if path.is_dir():
         raise RkitError(f"{source}: is a directory, not a recipe file. Give the path of a YAML recipe.")
     if size > MAX_RECIPE_BYTES:
@@ -114,7 +114,7 @@ def _read_text(path: Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise RkitError(f"{source}: cannot read the recipe: {exc.strerror}.")
+        raise RkitError(f"{source}: cannot read the recipe: {exc.strerror}.") from None
     return decode_recipe_bytes(source, data)
 
 
@@ -125,7 +125,7 @@ def decode_recipe_bytes(source: str, data: bytes) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError(source, [Problem("", f"not UTF-8 text (bad byte at offset {exc.start}); "
-                                               "save the recipe as UTF-8 YAML.")])
+                                               "save the recipe as UTF-8 YAML.")]) from None
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> Problem:
@@ -144,9 +144,9 @@ def _compose(source: str, text: str) -> yaml.Node | None:
                                                        "write the value out.", event.start_mark.line + 1)])
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        raise RecipeError(source, [_yaml_problem(exc)])
+        raise RecipeError(source, [_yaml_problem(exc)]) from None
     except RecursionError:
-        raise RecipeError(source, [Problem("", "the YAML is nested too deeply to be a recipe.")])
+        raise RecipeError(source, [Problem("", "the YAML is nested too deeply to be a recipe.")]) from None
     return node
 
 
@@ -227,7 +227,7 @@ def parse_override_value(raw: str) -> Any:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
-    if isinstance(value, (dict, list)) or value is None and raw.strip() not in ("null", "~", ""):
+    if isinstance(value, (dict, list)) or value is None and raw.strip() not in ("null", "~"):
         return raw
     return value
 
@@ -354,9 +354,9 @@ def parse_recipe(source: str, text: str, overrides: list[str] | tuple[str, ...] 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:  # constructor errors, e.g. an invalid timestamp
-            raise RecipeError(source, [_yaml_problem(exc)])
+            raise RecipeError(source, [_yaml_problem(exc)]) from None
         except RecursionError:
-            raise RecipeError(source, [Problem("", "the YAML is nested too deeply to be a recipe.")])
+            raise RecipeError(source, [Problem("", "the YAML is nested too deeply to be a recipe.")]) from None
         problems = _non_json_values(data)
     if not problems:
         override_problems = apply_overrides(source, data, list(overrides))
@@ -375,7 +375,7 @@ def parse_recipe(source: str, text: str, overrides: list[str] | tuple[str, ...] 
 
 
 def _nearest_line(lines: dict[tuple, int], path: str) -> int | None:
-    parts = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]", path) if p)
+    parts = tuple(int(p) if re.fullmatch(r"[0-9]+", p) else p for p in re.split(r"\.|\[|\]", path) if p)
     while parts:
         if parts in lines:
             return lines[parts]

@@ -7,8 +7,9 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import RkitError
 
@@ -76,6 +77,9 @@ class RunDir:
 
     def attempt_dir(self, attempt: int) -> Path:
         return self.attempts_dir / str(attempt)
+
+    def attempt_numbers(self) -> list[int]:
+        return sorted(int(p.name) for p in self.attempts_dir.glob("*") if p.name.isascii() and p.name.isdigit())
 
     def exists(self) -> bool:
         return self.resolved.is_file()
@@ -147,7 +151,8 @@ class RunLock:
             holder = fh.read().strip() or "another process"
             fh.close()
             raise RkitError(f"{self.path.parent}: this run is in use by {holder}. Wait for it to end "
-                            f"(rkit status {self.path.parent}) or stop it first; two writers would corrupt it.")
+                            f"(rkit status {self.path.parent}) or stop it first; two writers would corrupt it."
+                            ) from None
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from . import __version__, manifest
 from .backends.local import LocalBackend
@@ -35,13 +34,13 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection]) -> It
     except FileExistsError:
         if not resume:
             raise RkitError(f"{run.path}: a run named {recipe.name!r} already exists. Continue it with "
-                            f"`rkit run {recipe.source} --resume`, or pick a new name with -o name=NEW.")
+                            f"`rkit run {recipe.source} --resume`, or pick a new name with -o name=NEW.") from None
         if not run.exists():
             raise RkitError(f"{run.path}: exists but is not an rkit run (no resolved.json); move it away "
-                            "or pick a new name with -o name=NEW.")
+                            "or pick a new name with -o name=NEW.") from None
     except OSError as exc:
         raise RkitError(f"{run.path}: cannot create the run directory: {exc.strerror}. "
-                        "Check runs_dir in the recipe.")
+                        "Check runs_dir in the recipe.") from None
     lock = run.lock().acquire()
     try:
         if created:

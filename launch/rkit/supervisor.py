@@ -184,8 +184,7 @@ class Supervisor:
         return latest is not None and latest >= maxtext.final_step(self.resolved)
 
     def next_attempt_number(self) -> int:
-        numbers = [int(p.name) for p in self.run.attempts_dir.glob("*") if p.name.isdigit()]
-        return max(numbers, default=0) + 1
+        return max(self.run.attempt_numbers(), default=0) + 1
 
     def run_to_end(self) -> RunState:
         budgets = Budgets.from_resolved(self.resolved)

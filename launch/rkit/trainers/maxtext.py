@@ -62,7 +62,7 @@ def committed_steps(run: RunDir) -> list[int]:
     except FileNotFoundError:
         return []
     for entry in entries:
-        if not entry.is_dir() or TMP_MARKER in entry.name or not entry.name.isdigit():
+        if not entry.is_dir() or TMP_MARKER in entry.name or not (entry.name.isascii() and entry.name.isdigit()):
             continue
         path = Path(entry.path)
         if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists():

@@ -1,0 +1,51 @@
+# The user's verbs. Two set-up commands on a fresh Debian 12 machine: `make run` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+LOCKS := containers/lock
+RECIPE ?= recipes/tiny-cpu.yaml
+RUN_ARGS ?= --resume
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-dev run test lint lock clean
+
+# The training stack, from the hash-pinned lock (the CPU image installs the same lock).
+$(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt pyproject.toml ci/find-python
+	@python=$$(ci/find-python) || exit 1; \
+	if ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+	  echo "rkit: creating $(VENV) with $$python"; rm -rf $(VENV); "$$python" -m venv $(VENV) || exit 1; \
+	fi
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCKS)/cpu.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
+	@touch $@
+
+# Test tools on top (dev.txt is cpu.txt plus pytest, hypothesis, ruff; same pins).
+$(VENV)/.stamp-dev: $(VENV)/.stamp-cpu $(LOCKS)/dev.txt
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCKS)/dev.txt
+	@touch $@
+
+setup: $(VENV)/.stamp-cpu
+setup-dev: $(VENV)/.stamp-dev
+
+run: setup
+	$(VENV)/bin/rkit run $(RECIPE) $(RUN_ARGS)
+
+test: setup-dev
+	$(VENV)/bin/ruff check launch tests
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup-dev
+	$(VENV)/bin/ruff check launch tests
+
+# Re-resolve the locks (needs PyPI). uv itself comes from a hash-pinned lock too.
+lock:
+	@python=$$(ci/find-python) || exit 1; \
+	[ -x .venv-lock/bin/uv ] || { "$$python" -m venv .venv-lock && \
+	  .venv-lock/bin/pip install --quiet --require-hashes -r $(LOCKS)/tools.txt; } || exit 1
+	.venv-lock/bin/uv pip compile $(LOCKS)/cpu.in -c $(LOCKS)/cpu.constraints.txt --generate-hashes \
+	  --universal --python-version 3.12 -o $(LOCKS)/cpu.txt
+	.venv-lock/bin/uv pip compile $(LOCKS)/dev.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/cpu.constraints.txt \
+	  --generate-hashes --universal --python-version 3.12 -o $(LOCKS)/dev.txt
+
+clean:
+	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache

@@ -1,0 +1,45 @@
+"""Shared fixtures: the CLI as a subprocess, and the gate for tests that need the real training stack."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_maxtext() -> None:
+    """Integration tests skip with a reason on a laptop without MaxText, and fail in CI (CI=true)."""
+    if importlib.util.find_spec("maxtext") is None or importlib.util.find_spec("jax") is None:
+        message = "MaxText/JAX are not installed in this Python; run `make test` (it installs the CPU stack)"
+        if in_ci():
+            pytest.fail(f"CI=true and the test bed is missing: {message}")
+        pytest.skip(message)
+
+
+def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
+         check: int | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (exit codes, stdout and stderr as a user sees them)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    done = subprocess.run([sys.executable, "-m", "rkit.cli", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    if check is not None and done.returncode != check:
+        raise AssertionError(f"rkit {' '.join(args)} exited {done.returncode}, expected {check}\n"
+                             f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    return done
+
+
+@pytest.fixture
+def cli():
+    return rkit

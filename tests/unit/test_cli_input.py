@@ -1,0 +1,116 @@
+"""Bad input through the real CLI: exit 2, file + key + line in the message, nothing written, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rkit.errors import RkitError
+from rkit.recipe import parse_recipe
+from rkit.rundir import RunDir
+
+from ..conftest import TINY
+
+BAD = {
+    "wrong-type.yaml": ("name: bad\ntrainer:\n  kind: maxtext\n  steps: lots\n", "trainer.steps", 4),
+    "unknown-key.yaml": ("name: bad\ntrainer: {kind: maxtext, steps: 3}\ncheckpont: {}\n", "checkpont", 3),
+    "missing.yaml": ("name: bad\n", "trainer", None),
+    "malformed.yaml": ("name: bad\ntrainer: [1, 2\n", "malformed YAML", 3),
+    "empty.yaml": ("", "empty", None),
+}
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    d = tmp_path / "dir with 'quotes' and spaces"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_recipes_exit_2_with_key_and_line(cli, workdir: Path, name: str, command: str):
+    text, key, line = BAD[name]
+    recipe = workdir / name
+    recipe.write_text(text)
+    done = cli(command, str(recipe), cwd=workdir)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert str(recipe) in done.stderr and key in done.stderr
+    if line:
+        assert f"{recipe}:{line}:" in done.stderr
+    assert not (workdir / "runs").exists()
+
+
+def test_binary_and_huge_files_exit_2(cli, workdir: Path):
+    (workdir / "bin.yaml").write_bytes(os.urandom(4096) + b"\x00")
+    (workdir / "huge.yaml").write_bytes(b"name: x\n" + b"#" * (10 * 1024 * 1024))
+    for name, words in [("bin.yaml", "binary"), ("huge.yaml", "10.5 MB")]:
+        done = cli("run", name, cwd=workdir)
+        assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+    assert not (workdir / "runs").exists()
+
+
+def test_validate_json_lists_every_problem(cli, workdir: Path):
+    (workdir / "r.yaml").write_text("name: x\ntrainer: {kind: jaxformer, steps: 0}\nextra: 1\n")
+    done = cli("validate", "--json", "r.yaml", cwd=workdir)
+    assert done.returncode == 2
+    report = json.loads(done.stdout)
+    assert {p["path"] for p in report["problems"]} == {"trainer.kind", "trainer.steps", "extra"}
+    assert all(p["line"] for p in report["problems"])
+
+
+def test_bad_override_and_injection_exit_2(cli, workdir: Path):
+    done = cli("run", str(TINY), "-o", "resources.processes_per_node=two", cwd=workdir)
+    assert done.returncode == 2 and "resources.processes_per_node" in done.stderr
+    done = cli("run", str(TINY), "--inject", "kill:rank=5,step=3", cwd=workdir)
+    assert done.returncode == 2 and "rank 5 does not exist" in done.stderr
+    assert not (workdir / "runs").exists()
+
+
+def test_existing_run_needs_resume_and_a_held_lock_refuses(cli, workdir: Path):
+    run = RunDir(workdir / "runs" / "tiny-cpu")
+    run.path.mkdir(parents=True)
+    run.resolved.write_text("{}")
+    done = cli("run", str(TINY), cwd=workdir)
+    assert done.returncode == 2 and "--resume" in done.stderr and "already exists" in done.stderr
+    with run.lock():
+        done = cli("run", str(TINY), "--resume", cwd=workdir)
+    assert done.returncode == 2 and "in use by pid" in done.stderr
+    assert run.resolved.read_text() == "{}"  # nothing was touched
+
+
+def test_status_and_diff_of_non_runs_exit_2(cli, workdir: Path):
+    done = cli("status", str(workdir))
+    assert done.returncode == 2 and "not an rkit run directory" in done.stderr
+    done = cli("diff", str(workdir), str(workdir / "nope.json"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+yaml_like = st.text(alphabet=st.sampled_from(list("abcnmetrkisp:-[]{}#&*!|>'\"\n\t 0123456789.,?%@`")), max_size=200)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.one_of(yaml_like, st.text(max_size=200)))
+def test_loader_fuzz_never_crashes(text):
+    """Whatever the text, the loader returns a recipe or raises RkitError - nothing else."""
+    try:
+        recipe = parse_recipe("fuzz.yaml", text)
+    except RkitError as exc:
+        assert str(exc).startswith("fuzz.yaml")
+    else:
+        assert recipe.config_hash.startswith("sha256:")
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.text(max_size=30), value=st.text(max_size=30))
+def test_override_fuzz_never_crashes(key, value):
+    try:
+        parse_recipe(str(TINY), TINY.read_text(), [f"{key}={value}"])
+    except RkitError:
+        pass

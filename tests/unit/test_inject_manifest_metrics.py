@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rkit import manifest
+from rkit.errors import RkitError
+from rkit.inject import parse_injection, parse_injections, pending
+from rkit.rundir import RunDir
+from rkit.telemetry.metrics import MetricsTail, merged, repair_tail
+from rkit.trainers.maxtext import committed_steps, latest_committed_step
+
+
+def test_parse_injections():
+    kill = parse_injection("kill:rank=1,step=60")
+    assert (kill.kind, kill.rank, kill.step, kill.repeat, kill.in_trainer) == ("kill", 1, 60, False, True)
+    ex = parse_injection("exit:rank=0,step=40,code=3,repeat=true")
+    assert (ex.code, ex.repeat) == (3, True)
+    term = parse_injection("sigterm:step=80")
+    assert term.rank is None and not term.in_trainer
+
+
+@pytest.mark.parametrize("spec,words", [("boom:step=1", "unknown kind"), ("kill:step=1", "missing rank"),
+                                        ("kill:rank=1,step=x", "whole numbers"), ("kill:rank=1,step=2,when=3",
+                                                                                   "unknown field"),
+                                        ("sigterm:step", "not key=value"), ("kill:rank=-1,step=2", "negative")])
+def test_bad_injections(spec, words):
+    with pytest.raises(RkitError, match=words):
+        parse_injection(spec)
+
+
+def test_injection_rank_must_exist():
+    with pytest.raises(RkitError, match="ranks 0..1"):
+        parse_injections(["kill:rank=2,step=5"], processes=2)
+
+
+def test_one_shot_injections_fire_once_per_rkit_run():
+    injs = parse_injections(["kill:rank=1,step=5", "exit:rank=0,step=9,repeat=true"], processes=2)
+    events = [{"event": "run.submitted"}, {"event": "inject.fired", "index": 0},
+              {"event": "inject.fired", "index": 1}]
+    assert [i.index for i in pending(injs, events)] == [1]
+    assert [i.index for i in pending(injs, events + [{"event": "run.resumed"}])] == [0, 1]
+
+
+def test_secrets_are_redacted_and_only_training_variables_kept():
+    env = {"XLA_FLAGS": "--x", "JAX_API_KEY": "s3cr3t", "SLURM_JOB_ID": "7", "HF_TOKEN": "hf_abc",
+           "CUDA_PASSWORD_FILE": "pw", "HOME": "/root", "NCCL_SECRET": "zz"}
+    out = manifest.redact_env(env)
+    assert out == {"XLA_FLAGS": "--x", "JAX_API_KEY": manifest.REDACTED, "SLURM_JOB_ID": "7",
+                   "CUDA_PASSWORD_FILE": manifest.REDACTED, "NCCL_SECRET": manifest.REDACTED}
+    captured = manifest.capture(environ=env)
+    text = json.dumps(captured)
+    assert "s3cr3t" not in text and "hf_abc" not in text and "zz\"" not in text
+
+
+def test_host_capture_has_the_promised_fields(tmp_path: Path):
+    m = manifest.capture(recipe_path=tmp_path / "r.yaml")
+    assert m["python"]["version"] and m["packages"]["click"]
+    assert set(m["key_packages"]) == {"jax", "jaxlib", "maxtext", "orbax-checkpoint", "flax"}
+    assert m["hardware"]["cpu"]["count"] >= 1 and m["hardware"]["memory_bytes"] > 0
+    assert "present" in m["hardware"]["gpu"]
+    assert m["system"]["kernel"] and m["system"]["hostname"]
+    assert m["git"] == {"repository": False}
+
+
+def test_git_state_of_a_real_repository(tmp_path: Path):
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "r.yaml").write_text("x: 1\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "r.yaml"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "m"],
+                   check=True)
+    clean = manifest.git_state(tmp_path / "r.yaml")
+    assert clean["repository"] and len(clean["commit"]) == 40 and clean["dirty"] is False
+    (tmp_path / "r.yaml").write_text("x: 2\n")
+    assert manifest.git_state(tmp_path / "r.yaml")["dirty"] is True
+
+
+def _line(step, loss):
+    return json.dumps({"step": step, "learning/loss": loss, "perf/step_time_seconds": 0.1,
+                       "perf/per_device_tokens_per_sec": 100.0}) + "\n"
+
+
+def test_merged_view_newest_wins_and_marks_recomputed(tmp_path: Path):
+    run = RunDir(tmp_path)
+    run.metrics_dir.mkdir()
+    path = run.metrics_file(0)
+    path.write_text(_line(0, 5.0) + _line(1, 4.0) + _line(2, 3.0) + '{"step": 3, "learn')  # cut by a crash
+    repair_tail(path)
+    with open(path, "a") as fh:
+        fh.write(_line(2, 3.5) + _line(3, 2.0))
+    view = merged(run)
+    assert list(view) == [0, 1, 2, 3]
+    assert view[2]["loss"] == 3.5 and view[2]["recomputed"] and not view[1]["recomputed"]
+
+
+def test_metrics_tail_follows_growth_and_truncation(tmp_path: Path):
+    path = tmp_path / "0.jsonl"
+    tail = MetricsTail(path)
+    assert tail.poll() == []
+    path.write_text(_line(0, 1.0) + '{"step": 1')
+    assert [m.step for m in tail.poll()] == [0]
+    with open(path, "a") as fh:
+        fh.write(', "learning/loss": 2.0}\n')
+    assert [m.step for m in tail.poll()] == [1]
+    path.write_text(_line(0, 9.0))  # MaxText truncates when it starts over from step 0
+    assert [m.loss for m in tail.poll()] == [9.0]
+
+
+def test_committed_steps_skip_temporary_and_uncommitted(tmp_path: Path):
+    run = RunDir(tmp_path)
+    for name, marker in [("0", "commit_success.txt"), ("10", "_CHECKPOINT_METADATA"),
+                         ("20.orbax-checkpoint-tmp-123", "commit_success.txt"), ("30", None)]:
+        d = run.orbax_dir / name
+        d.mkdir(parents=True)
+        if marker:
+            (d / marker).write_text("")
+    assert committed_steps(run) == [0, 10]
+    assert latest_committed_step(run) == 10
+    assert latest_committed_step(RunDir(tmp_path / "none")) is None
+
+
+def test_diff_views_groups_and_identity():
+    a = {"config": {"x": 1}, "packages": {"jax": "1"}, "run": {"name": "a"}}
+    b = {"config": {"x": 2}, "packages": {"jax": "1"}, "run": {"name": "b"}}
+    result = manifest.diff_views(a, b)
+    assert not result["identical"]
+    assert result["groups"]["config"] == [{"key": "x", "a": 1, "b": 2}]
+    assert "packages" not in result["groups"] and result["groups"]["run"][0]["key"] == "name"
+    same = manifest.diff_views(a, dict(a, run={"name": "c"}))
+    assert same["identical"] and list(same["groups"]) == ["run"]

@@ -1,0 +1,88 @@
+"""The supervisor's policy is a pure function: tested exhaustively, no processes, no sleeping."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from rkit.supervisor import Action, Budgets, Cause, Outcome, RunState, Tally, decide, tally_from_events
+
+BUDGETS = Budgets(max_restarts=3, max_preemptions=2, crash_loop_limit=3)
+
+
+def test_final_step_committed_always_finishes():
+    for cause in Cause:
+        decision, _ = decide(Tally(), Outcome(cause, 10, 10, "x"), BUDGETS, final_committed=True)
+        assert decision.action is Action.FINISH
+
+
+def test_interrupt_stops_without_spending_budget():
+    decision, tally = decide(Tally(), Outcome(Cause.INTERRUPTED, 5, 5), BUDGETS, False)
+    assert decision.action is Action.STOP and tally == Tally()
+
+
+def test_training_failures_with_progress_restart_until_budget():
+    tally = Tally()
+    actions = []
+    for i in range(5):
+        decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, i * 10, i * 10 + 10, "rank 0 exited"), BUDGETS,
+                                 False)
+        actions.append(decision.action)
+    assert actions == [Action.RESTART] * 3 + [Action.GIVE_UP] * 2
+    assert tally.stalled == 0
+
+
+def test_crash_loop_is_diagnosed_when_no_checkpoint_progress():
+    tally = Tally()
+    budgets = Budgets(max_restarts=10, max_preemptions=2, crash_loop_limit=3)
+    detail = "rank 0 exited with code 3 at step 7"
+    decisions = []
+    for _ in range(3):
+        decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, 5, 5, detail), budgets, False)
+        decisions.append(decision)
+    assert [d.action for d in decisions] == [Action.RESTART, Action.RESTART, Action.GIVE_UP]
+    assert "crash loop" in decisions[-1].reason and "same way" in decisions[-1].reason
+    assert detail in decisions[-1].reason and "last committed step 5" in decisions[-1].reason
+
+
+def test_progress_resets_the_crash_loop_count():
+    budgets = Budgets(max_restarts=10, max_preemptions=2, crash_loop_limit=2)
+    tally = Tally()
+    for before, after in [(5, 5), (5, 10), (10, 10)]:
+        decision, tally = decide(tally, Outcome(Cause.TASK_SIGNAL, before, after, "killed"), budgets, False)
+        assert decision.action is Action.RESTART
+    decision, tally = decide(tally, Outcome(Cause.TASK_SIGNAL, 10, 10, "killed"), budgets, False)
+    assert decision.action is Action.GIVE_UP
+
+
+def test_preemptions_have_their_own_budget():
+    tally = Tally(training_failures=3)
+    for expected in [Action.RESTART, Action.RESTART, Action.GIVE_UP]:
+        decision, tally = decide(tally, Outcome(Cause.PREEMPTED, 5, 5, "SIGTERM"), BUDGETS, False)
+        assert decision.action is expected
+    assert "preemption budget" in decision.reason and tally.training_failures == 3
+
+
+def test_exhaustive_small_space_is_well_formed():
+    """Every combination yields a decision with a reason; budgets never go negative."""
+    causes = [c for c in Cause if c is not Cause.COMPLETED]
+    for cause, before, after, final in itertools.product(causes, [None, 5], [None, 5, 10], [False, True]):
+        for tally in [Tally(), Tally(3, 2, 2, ("a", "b"))]:
+            decision, new = decide(tally, Outcome(cause, before, after, "d"), BUDGETS, final)
+            assert decision.reason
+            assert new.training_failures >= tally.training_failures
+            assert new.preemptions >= tally.preemptions
+
+
+def test_tally_is_replayed_from_events():
+    events = [{"event": "attempt.ended", "tally": {"training_failures": 2, "preemptions": 1, "stalled": 1,
+                                                   "stalled_details": ["x"]}}]
+    assert tally_from_events(events) == Tally(2, 1, 1, ("x",))
+
+
+@pytest.mark.parametrize("state,terminal", [(RunState.FINISHED, True), (RunState.GAVE_UP, True),
+                                            (RunState.RUNNING, False), (RunState.INTERRUPTED, False),
+                                            (RunState.STOPPED, False), (RunState.PENDING, False)])
+def test_terminal_states(state, terminal):
+    assert state.is_terminal() is terminal

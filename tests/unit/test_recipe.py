@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rkit.errors import RecipeError, RkitError
+from rkit.recipe import IDENTITY_KEYS, config_hash, load_recipe, parse_override_value, parse_recipe
+
+from ..conftest import REPO, TINY
+
+
+def test_every_shipped_recipe_is_valid():
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    assert TINY in recipes
+    for path in recipes:
+        assert load_recipe(path).config_hash.startswith("sha256:")
+
+
+def test_hash_ignores_key_order_comments_and_quoting():
+    base = load_recipe(TINY)
+    data = yaml.safe_load(TINY.read_text())
+    reordered = {k: data[k] for k in reversed(list(data))}
+    reordered["trainer"] = {k: data["trainer"][k] for k in reversed(list(data["trainer"]))}
+    text = "# a comment\n" + yaml.safe_dump(reordered, sort_keys=False, default_style=None)
+    text = text.replace("kind: maxtext", "kind: \"maxtext\"  # quoted").replace("hardware: cpu", "hardware: 'cpu'")
+    other = parse_recipe("reordered.yaml", text)
+    assert other.config_hash == base.config_hash
+
+
+def test_hash_excludes_only_identity():
+    base = load_recipe(TINY)
+    renamed = load_recipe(TINY, ["name=another", "runs_dir=/elsewhere"])
+    assert renamed.config_hash == base.config_hash
+    assert set(IDENTITY_KEYS) == {"name", "runs_dir"}
+
+
+def _leaves(value, prefix=()):
+    if isinstance(value, dict) and value:
+        for key, sub in value.items():
+            yield from _leaves(sub, prefix + (key,))
+    else:
+        yield prefix, value
+
+
+def _changed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if value is None:
+        return 1
+    if isinstance(value, dict):
+        return {"EXTRA": "1"}
+    return f"{value}x"
+
+
+def test_hash_changes_with_every_value_that_can_change_training():
+    base = load_recipe(TINY)
+    for path, value in _leaves(base.resolved):
+        if path[0] in IDENTITY_KEYS:
+            continue
+        changed = copy.deepcopy(base.resolved)
+        target = changed
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = _changed(value)
+        assert config_hash(changed) != base.config_hash, path
+
+
+@pytest.mark.parametrize("key", ["base_emb_dim", "vocab_size", "per_device_batch_size", "dataset_type"])
+def test_hash_changes_with_each_trainer_override(key):
+    base = load_recipe(TINY)
+    value = base.resolved["trainer"]["overrides"][key]
+    new = value + 1 if isinstance(value, int) else "tfds"
+    assert load_recipe(TINY, [f"trainer.overrides.{key}={new}"]).config_hash != base.config_hash
+
+
+def test_overrides_are_typed_and_applied_before_validation():
+    r = load_recipe(TINY, ["trainer.steps=20", "trainer.overrides.learning_rate=1e-3", "checkpoint.async=false",
+                           "trainer.overrides.new_key=hello world"])
+    assert r.resolved["trainer"]["steps"] == 20
+    assert r.resolved["trainer"]["overrides"]["learning_rate"] == 0.001
+    assert r.resolved["checkpoint"]["async"] is False
+    assert r.resolved["trainer"]["overrides"]["new_key"] == "hello world"
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY, ["trainer.steps=many"])
+    assert "trainer.steps" in str(err.value) and "(from -o)" not in str(err.value)
+    with pytest.raises(RecipeError, match="not key.path=value"):
+        load_recipe(TINY, ["trainer.steps"])
+
+
+@pytest.mark.parametrize("raw,expected", [("20", 20), ("1e-3", 0.001), ("true", True), ("null", None),
+                                          ("abc", "abc"), ("[1, 2]", "[1, 2]"), ("", "")])
+def test_parse_override_value(raw, expected):
+    assert parse_override_value(raw) == expected
+
+
+def test_defaults_are_applied_from_the_schema():
+    r = parse_recipe("min.yaml", "name: m\ntrainer: {kind: maxtext, steps: 3}\n")
+    assert r.resolved["checkpoint"] == {"period": 100, "keep": None, "async": True}
+    assert r.resolved["resources"] == {"nodes": 1, "processes_per_node": 1}
+    assert r.resolved["image"] == "none" and r.resolved["runs_dir"] == "runs"
+
+
+def _problems(text: str, overrides=()) -> list:
+    with pytest.raises(RecipeError) as err:
+        parse_recipe("bad.yaml", text, overrides)
+    return err.value.problems
+
+
+def test_every_problem_is_reported_at_once_with_key_and_line():
+    text = ("name: ok\n"
+            "trainer:\n"
+            "  kind: maxtext\n"
+            "  steps: ten\n"
+            "  overides: {}\n"
+            "resources:\n"
+            "  processes_per_node: 0\n"
+            "checkpoint:\n"
+            "  async: maybe\n")
+    problems = {p.path: p for p in _problems(text)}
+    assert problems["trainer.steps"].line == 4 and "expected integer" in problems["trainer.steps"].message
+    assert problems["trainer.overides"].line == 5 and "Did you mean 'overrides'" in problems["trainer.overides"].message
+    assert problems["resources.processes_per_node"].line == 7
+    assert problems["checkpoint.async"].line == 9
+
+
+def test_missing_sections_and_duplicates_and_aliases():
+    assert [p.path for p in _problems("name: x\n")] == ["trainer"]
+    dup = _problems("name: x\nname: y\ntrainer: {kind: maxtext, steps: 1}\n")
+    assert dup[0].path == "name" and dup[0].line == 2 and "duplicate" in dup[0].message
+    alias = _problems("name: &n x\nother: *n\n")
+    assert "aliases" in alias[0].message and alias[0].line == 2
+
+
+def test_owned_maxtext_keys_and_secrets_are_refused():
+    text = TINY.read_text()
+    problems = _problems(text, ["trainer.overrides.run_name=x", "env.HF_TOKEN=abc"])
+    messages = {p.path: p.message for p in problems}
+    assert "name" in messages["trainer.overrides.run_name"]
+    assert "secret" in messages["env.HF_TOKEN"]
+
+
+@pytest.mark.parametrize("text,words", [
+    ("", "empty"),
+    ("   \n# only a comment\n", "empty"),
+    ("- a\n- b\n", "mapping"),
+    ("name: [unclosed\n", "malformed YAML"),
+    ("name: x\n\ttrainer: 1\n", "malformed YAML"),
+    ("name: 2024-01-01\ntrainer: {kind: maxtext, steps: 1}\n", "date"),
+    ("name: x\ntrainer: {kind: maxtext, steps: .nan}\n", "finite"),
+    ("1: x\n", "string"),
+])
+def test_bad_text_gets_a_clear_problem(text, words):
+    problems = _problems(text)
+    assert any(words.lower() in p.render("bad.yaml").lower() for p in problems), [p.render("b") for p in problems]
+
+
+def test_binary_and_huge_files(tmp_path: Path):
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\x7fELF\x00\x01\x02" * 100)
+    with pytest.raises(RecipeError, match="binary"):
+        load_recipe(binary)
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("name: x\n" + "# padding\n" * 1_100_000)
+    with pytest.raises(RecipeError, match="MB"):
+        load_recipe(huge)
+    with pytest.raises(RkitError, match="no such recipe"):
+        load_recipe(tmp_path / "missing.yaml")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(RecipeError, match="UTF-8"):
+        load_recipe(latin)
