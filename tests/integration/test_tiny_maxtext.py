@@ -1,0 +1,180 @@
+"""The tiny recipe on the real stack: MaxText trains on the CPU with 2 processes, Orbax checkpoints,
+faults are injected, and the supervisor resumes from the last committed checkpoint.
+
+All runs share one workspace (a path with spaces and quotes) and one JAX compile cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rkit.rundir import RunDir
+from rkit.telemetry.metrics import merged
+
+from ..conftest import TINY, require_maxtext, rkit
+
+pytestmark = [pytest.mark.maxtext, pytest.mark.slow]
+
+# 30 steps, a checkpoint every 10: faults land after the first committed checkpoint.
+SHORT = ["-o", "trainer.steps=30", "-o", "checkpoint.period=10"]
+SECRET = "s3cr3t-value-never-recorded"
+ENV = {"JAX_API_KEY": SECRET, "HF_TOKEN": SECRET, "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> Path:
+    require_maxtext()
+    path = tmp_path_factory.mktemp("runs") / "it's a workspace"
+    path.mkdir()
+    return path
+
+
+def run_tiny(workspace: Path, name: str, *extra: str, expect: int = 0) -> RunDir:
+    done = rkit("run", str(TINY), "-o", f"name={name}", *SHORT, *extra, cwd=workspace, env=ENV, check=expect)
+    assert "Traceback" not in done.stderr
+    return RunDir(workspace / "runs" / name)
+
+
+def final_loss(run: RunDir) -> float:
+    view = merged(run, rank=0)
+    assert max(view) == 29, f"metrics stop at step {max(view)}"
+    return view[29]["loss"]
+
+
+def events(run: RunDir, kind: str) -> list[dict]:
+    return [e for e in run.events() if e["event"] == kind]
+
+
+def status_json(run: RunDir) -> dict:
+    return json.loads(rkit("status", "--json", str(run.path), check=0).stdout)
+
+
+@pytest.fixture(scope="session")
+def baseline(workspace: Path) -> RunDir:
+    return run_tiny(workspace, "baseline")
+
+
+def test_uninterrupted_run_is_stamped_and_finished(baseline: RunDir):
+    s = status_json(baseline)
+    assert s["state"] == "finished" and s["last_committed_step"] == 29 and s["final_step_committed"]
+    assert [a["cause"] for a in s["attempts"]] == ["completed"]
+    stamp = baseline.load_manifest()
+    assert stamp["config_hash"].startswith("sha256:") and stamp["host"]["packages"]["maxtext"] == "0.2.5"
+    assert (baseline.path / "recipe.yaml").read_text() == TINY.read_text()
+    for rank in (0, 1):
+        env = json.loads((baseline.attempt_dir(1) / "env" / f"rank-{rank}.json").read_text())
+        assert env["jax"]["process_count"] == 2 and env["jax"]["process_index"] == rank
+        assert env["jax"]["backend"] == "cpu" and env["key_packages"]["orbax-checkpoint"]
+        assert env["environment"]["JAX_API_KEY"] == "<redacted>"
+        assert env["environment"]["XLA_FLAGS"] == ENV["XLA_FLAGS"]
+        assert len(merged(baseline, rank)) == 30
+    # Secrets from the environment land nowhere in the run directory: manifests, events, logs.
+    for path in baseline.path.rglob("*"):
+        if path.is_file() and path.stat().st_size < 50_000_000:
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_rerun_of_a_finished_run_is_reported_done(workspace: Path, baseline: RunDir):
+    before = baseline.attempt_numbers()
+    done = rkit("run", str(TINY), "-o", "name=baseline", *SHORT, "--resume", cwd=workspace, env=ENV, check=0)
+    assert "finished" in done.stdout
+    assert baseline.attempt_numbers() == before
+    assert "already committed" in events(baseline, "run.finished")[-1]["reason"]
+
+
+@pytest.mark.parametrize("name,spec,cls,rank,code,signame", [
+    ("kill", "kill:rank=1,step=25", "task_signal", 1, None, "SIGKILL"),
+    ("exit", "exit:rank=0,step=25,code=3", "task_exit", 0, 3, None),
+])
+def test_fault_then_resume_matches_uninterrupted_loss(workspace, baseline, name, spec, cls, rank, code, signame):
+    run = run_tiny(workspace, name, "--inject", spec)
+    fired = events(run, "inject.fired")
+    assert len(fired) == 1 and fired[0]["step"] >= 25 and fired[0]["rank"] == rank
+    failed = events(run, "attempt.failed")
+    assert len(failed) == 1
+    assert (failed[0]["cls"], failed[0]["rank"], failed[0]["exit_code"], failed[0]["signal"]) == (cls, rank, code,
+                                                                                                 signame)
+    started = events(run, "attempt.started")
+    assert len(started) == 2 and started[0]["resume_from_step"] is None
+    resumed_from = started[1]["resume_from_step"]
+    assert resumed_from is not None and 10 <= resumed_from < fired[0]["step"]
+    assert events(run, "run.finished")
+    # Bit for bit: the same final loss as the run that was never interrupted.
+    assert final_loss(run) == final_loss(baseline)
+    view = merged(run, rank=0)
+    assert [s for s, m in view.items() if m["recomputed"]] == list(range(resumed_from + 1, failed[0]["last_step"] + 1))
+    s = status_json(run)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == [cls, "completed"]
+
+
+def test_sigterm_takes_the_preemption_path(workspace: Path, baseline: RunDir):
+    run = run_tiny(workspace, "sigterm", "--inject", "sigterm:step=15")
+    requested = events(run, "preempt.requested")
+    assert len(requested) == 1 and requested[0]["signal"] == "SIGTERM" and requested[0]["step"] >= 15
+    ended = events(run, "attempt.ended")
+    assert ended[0]["cause"] == "preempted" and ended[0]["decision"] == "restart"
+    assert ended[0]["tally"]["preemptions"] == 1 and ended[0]["tally"]["training_failures"] == 0
+    started = events(run, "attempt.started")
+    assert started[1]["resume_from_step"] == ended[0]["committed_step"] is not None
+    assert final_loss(run) == final_loss(baseline)
+    assert run.load_manifest()["injections"][0]["spec"] == "sigterm:step=15"
+
+
+def test_deterministic_failure_stops_at_the_crash_loop_limit(workspace: Path, baseline: RunDir):
+    run = run_tiny(workspace, "crashloop", "--inject", "exit:rank=0,step=15,code=3,repeat=true",
+                   "-o", "resilience.crash_loop_limit=2", expect=1)
+    s = status_json(run)
+    assert s["state"] == "gave up" and "crash loop" in s["reason"]
+    assert "rank 0 exited with code 3" in s["reason"]
+    assert all(a["cause"] == "task_exit" for a in s["attempts"]) and len(s["attempts"]) >= 3
+    text = rkit("status", str(run.path), check=0).stdout
+    assert "gave up: crash loop" in text
+    # rkit diff on two real runs that differ in one override: only that key in the config group.
+    done = rkit("diff", str(baseline.path), str(run.path))
+    assert done.returncode == 1
+    result = json.loads(rkit("diff", "--json", str(baseline.path), str(run.path)).stdout)
+    assert result["groups"]["config"] == [{"key": "resilience.crash_loop_limit", "a": 3, "b": 2}]
+    assert set(result["groups"]) <= {"config", "run"}
+    assert "config (1)\n  resilience.crash_loop_limit: 3 -> 2" in done.stdout
+
+
+def test_diff_of_same_config_is_identical(baseline: RunDir, workspace: Path):
+    other = RunDir(workspace / "runs" / "kill")
+    if not other.exists():
+        pytest.skip("needs the kill run of this session")
+    done = rkit("diff", str(baseline.path), str(other.path))
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.strip().endswith("identical")
+    # Manifest files work too.
+    assert rkit("diff", str(baseline.manifest), str(other.manifest)).returncode == 0
+
+
+def test_ctrl_c_stops_cleanly_and_the_run_resumes(workspace: Path, baseline: RunDir):
+    env = dict(os.environ, **ENV)
+    argv = [sys.executable, "-m", "rkit.cli", "run", str(TINY), "-o", "name=interrupted", *SHORT]
+    proc = subprocess.Popen(argv, cwd=workspace, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = RunDir(workspace / "runs" / "interrupted")
+    deadline = time.monotonic() + 300
+    while not merged(run, rank=0) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert events(run, "run.interrupted") and events(run, "stop.requested")
+    assert status_json(run)["state"] == "interrupted"
+    pids = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["pids"]
+    for pid in pids.values():  # nothing left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    rkit("run", str(TINY), "-o", "name=interrupted", *SHORT, "--resume", cwd=workspace, env=ENV, check=0)
+    assert final_loss(run) == final_loss(baseline)
+    assert status_json(run)["state"] == "finished"
