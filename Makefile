@@ -7,7 +7,7 @@ RECIPE ?= recipes/tiny-cpu.yaml
 RUN_ARGS ?= --resume
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test lint lock clean
+.PHONY: setup setup-dev run test lint lock bench clean
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt pyproject.toml ci/find-python
@@ -49,3 +49,7 @@ lock:
 
 clean:
 	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache
+
+# Restart latency vs cold start, median of 3, side by side (real MaxText; ~3 minutes).
+bench: setup
+	$(PY) tests/benchmarks/restart_latency.py --repeats 3

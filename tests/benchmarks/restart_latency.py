@@ -1,0 +1,62 @@
+"""Restart latency against a cold start, measured side by side in one session (median of N).
+
+    python tests/benchmarks/restart_latency.py [--repeats 3] [--steps 30] [--kill-step 25]
+
+Each repeat runs the tiny recipe with `--inject kill:rank=1,step=K` and reads its events:
+  cold start    = attempt 1: process spawn -> first trained step (attempt.started -> attempt.first_step)
+  submit->step  = `rkit run` stamped the run -> first trained step (run.submitted -> attempt.first_step)
+  restart       = failure noticed -> first step of the resumed attempt (attempt.failed -> attempt.first_step)
+  run wall      = run.submitted -> run.finished
+The ratio restart / cold start says what the supervisor adds beyond starting MaxText again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def measure(workdir: Path, name: str, steps: int, kill_step: int) -> dict[str, float]:
+    argv = [sys.executable, "-m", "rkit.cli", "run", str(REPO / "recipes" / "tiny-cpu.yaml"), "--quiet",
+            "-o", f"name={name}", "-o", f"trainer.steps={steps}", "-o", "checkpoint.period=10",
+            "--inject", f"kill:rank=1,step={kill_step}"]
+    subprocess.run(argv, cwd=workdir, check=True, capture_output=True)
+    events = [json.loads(line) for line in (workdir / "runs" / name / "events.jsonl").read_text().splitlines()]
+
+    def first(kind: str, attempt: int | None = None) -> dict:
+        return next(e for e in events if e["event"] == kind and (attempt is None or e.get("attempt") == attempt))
+
+    return {
+        "cold start": first("attempt.first_step", 1)["t"] - first("attempt.started", 1)["t"],
+        "submit->step": first("attempt.first_step", 1)["t"] - first("run.submitted")["t"],
+        "restart": first("attempt.first_step", 2)["t"] - first("attempt.failed", 1)["t"],
+        "run wall": first("run.finished")["t"] - first("run.submitted")["t"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-step", type=int, default=25)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rkit-bench-") as tmp:
+        for i in range(args.repeats):
+            row = measure(Path(tmp), f"bench-{i}", args.steps, args.kill_step)
+            rows.append(row)
+            print(f"repeat {i + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in row.items()), flush=True)
+    medians = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"median of {len(rows)}: " + ", ".join(f"{k} {v:.2f} s" for k, v in medians.items()))
+    print(f"restart / cold start = {medians['restart'] / medians['cold start']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
