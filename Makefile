@@ -37,15 +37,21 @@ test: setup-dev
 lint: setup-dev
 	$(VENV)/bin/ruff check launch tests
 
-# Re-resolve the locks (needs PyPI). uv itself comes from a hash-pinned lock too.
+# Re-resolve the locks (needs PyPI). uv itself comes from a hash-pinned lock too. The cpu lock is universal
+# (Python 3.12+, any platform: the laptop venv and the cpu image); rocm and cuda are for Python 3.12 on
+# x86_64 manylinux_2_28 (their base images). cpu.constraints.txt keeps the verified CPU set from drifting;
+# the ROCm plugin needs jax 0.12.0, so rocm takes those constraints without the jax pins.
+UV_COMPILE = .venv-lock/bin/uv pip compile --generate-hashes --python-version 3.12 --custom-compile-command "make lock"
 lock:
 	@python=$$(ci/find-python) || exit 1; \
 	[ -x .venv-lock/bin/uv ] || { "$$python" -m venv .venv-lock && \
 	  .venv-lock/bin/pip install --quiet --require-hashes -r $(LOCKS)/tools.txt; } || exit 1
-	.venv-lock/bin/uv pip compile $(LOCKS)/cpu.in -c $(LOCKS)/cpu.constraints.txt --generate-hashes \
-	  --universal --python-version 3.12 -o $(LOCKS)/cpu.txt
-	.venv-lock/bin/uv pip compile $(LOCKS)/dev.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/cpu.constraints.txt \
-	  --generate-hashes --universal --python-version 3.12 -o $(LOCKS)/dev.txt
+	$(UV_COMPILE) --universal $(LOCKS)/cpu.in -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/cpu.txt
+	$(UV_COMPILE) --universal $(LOCKS)/dev.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/dev.txt
+	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 $(LOCKS)/cuda.in -c $(LOCKS)/cpu.constraints.txt \
+	  -o $(LOCKS)/cuda.txt
+	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 $(LOCKS)/rocm.in \
+	  -c <(grep -v '^jax' $(LOCKS)/cpu.constraints.txt) -o $(LOCKS)/rocm.txt
 
 clean:
 	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache

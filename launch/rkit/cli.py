@@ -77,9 +77,84 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     loaded = load_recipe(recipe, overrides)
     injections = parse_injections(injects, loaded.processes)
     with live_progress(enabled=not quiet, total=loaded.total_steps) as on_progress:
-        run_dir, state = runner.execute(loaded, resume=resume, injections=injections, on_progress=on_progress)
+        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)
     click.echo(report.render_status(report.status(run_dir)))
     sys.exit(EXIT_CODES.get(state.value, 1))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--name", help="Name of the new run (default: <name>-reproduce, next to RUN).")
+@click.option("--allow-drift", is_flag=True, help="Run even if the image differs; the drift is recorded.")
+@click.option("--quiet", is_flag=True, help="No live progress display.")
+def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool) -> None:
+    """Relaunch RUN with its resolved config and the same image digest."""
+    from . import report, runner
+    from .display import live_progress
+    from .rundir import RunDir
+
+    total = RunDir(run_dir).load_resolved()["trainer"]["steps"]
+    with live_progress(enabled=not quiet, total=total) as on_progress:
+        new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=on_progress)
+    click.echo(report.render_status(report.status(new_dir)))
+    sys.exit(EXIT_CODES.get(state.value, 1))
+
+
+@main.group()
+def image() -> None:
+    """Build, inspect and verify the Apptainer images (containers/*.def)."""
+
+
+@image.command("build")
+@click.argument("flavor", type=click.Choice(["cpu", "rocm", "cuda"]))
+@click.option("--build-arg", "build_args", multiple=True, metavar="NAME=VALUE",
+              help="Override a build argument of the definition (e.g. MIRROR=http://deb.debian.org/debian).")
+@click.option("--force", is_flag=True, help="Rebuild even if the cache has this key.")
+@click.option("--verbose", is_flag=True, help="Echo apptainer's build output.")
+def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: bool) -> None:
+    """Build FLAVOR into the content-addressed image cache (an unchanged key is not rebuilt)."""
+    from . import image as images
+
+    overrides = {}
+    for item in build_args:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RkitError(f"--build-arg {item!r}: expected NAME=VALUE.")
+        overrides[key] = value
+    plan = images.plan_build(flavor, overrides)
+    click.echo(f"rkit: image {flavor}, key {plan.key}", err=True)
+    record = images.build(plan, force=force, echo=(lambda line: click.echo(line, err=True)) if verbose else
+                          (lambda line: None))
+    how = "cached" if record["cached"] else f"built in {record['build_seconds']} s"
+    click.echo(f"rkit: {how}: {record['sha256']}, {record['size_bytes'] / 1e6:.0f} MB", err=True)
+    click.echo(record["path"])
+
+
+@image.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@json_option
+def image_inspect(path: Path, as_json: bool) -> None:
+    """SHA256 of the SIF, its rkit labels, flavor and package count."""
+    from . import image as images
+
+    info = images.inspect(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    for key in ("path", "sha256", "size_bytes", "flavor", "python", "package_count", "rkit_version"):
+        click.echo(f"{key:14} {info[key]}")
+    for key, value in info["labels"].items():
+        click.echo(f"label          {key} = {value}")
+
+
+@image.command("verify")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--expect", required=True, metavar="sha256:HEX", help="The digest the image must have.")
+def image_verify(path: Path, expect: str) -> None:
+    """Exit 0 when PATH's sha256 is the expected one; exit 2 with both digests when not."""
+    from . import image as images
+
+    click.echo(f"{path}: {images.verify(path, expect)} OK")
 
 
 @main.command()

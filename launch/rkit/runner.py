@@ -8,11 +8,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import yaml
+
 from . import __version__, manifest
-from .backends.local import LocalBackend
+from .backends.local import Container, LocalBackend
 from .errors import RkitError
+from .image import ImageIdentity, apptainer
+from .image import resolve as resolve_image
 from .inject import Injection
-from .recipe import Recipe, canonical_json, config_hash, hashed_config
+from .recipe import Recipe, canonical_json, config_hash, hashed_config, is_secret_name, parse_recipe
 from .rundir import RunDir, RunLock, write_json_atomic
 from .supervisor import Progress, RunState, Supervisor, default_jax_cache_dir
 
@@ -22,7 +26,8 @@ def run_path(recipe: Recipe) -> RunDir:
 
 
 @contextmanager
-def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection]) -> Iterator[tuple[RunDir, RunLock]]:
+def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image: ImageIdentity | None = None,
+             extra_stamp: dict | None = None) -> Iterator[tuple[RunDir, RunLock]]:
     """Create the run directory (atomically: mkdir fails if it exists) or reopen it for --resume,
     holding the writer lock for as long as the caller runs."""
     run = run_path(recipe)
@@ -44,16 +49,17 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection]) -> It
     lock = run.lock().acquire()
     try:
         if created:
-            stamp(run, recipe, injections)
+            stamp(run, recipe, injections, image, extra_stamp or {})
         else:
-            check_resume(run, recipe)
+            check_resume(run, recipe, image)
             run.emit("run.resumed", injections=[i.spec for i in injections], host=manifest.socket.gethostname())
         yield run, lock
     finally:
         lock.release()
 
 
-def stamp(run: RunDir, recipe: Recipe, injections: list[Injection]) -> None:
+def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: ImageIdentity | None,
+          extra: dict) -> None:
     (run.path / "attempts").mkdir()
     run.metrics_dir.mkdir()
     run.recipe.write_text(recipe.text, encoding="utf-8")
@@ -65,17 +71,23 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection]) -> None:
                 "recipe_source": str(Path(recipe.source).resolve())},
         "config_hash": recipe.config_hash,
         "hashed_config": hashed_config(recipe.resolved),
-        "image": {"kind": "none", "reference": recipe.resolved["image"]},
+        "image": image.as_dict() if image else {"kind": "none", "reference": recipe.resolved["image"]},
         "launcher": recipe.resolved["launcher"],
         "injections": [i.as_dict() for i in injections],
         "host": host,
+        **extra,
     }
     write_json_atomic(run.manifest, stamp_data)
     run.emit("run.submitted", name=recipe.name, config_hash=recipe.config_hash, launcher="local",
              injections=[i.spec for i in injections], total_steps=recipe.total_steps)
 
 
-def check_resume(run: RunDir, recipe: Recipe) -> None:
+def check_resume(run: RunDir, recipe: Recipe, image: ImageIdentity | None) -> None:
+    stamped = run.load_manifest().get("image", {})
+    if image is not None and stamped.get("sha256") != image.sha256:
+        raise RkitError(f"{run.path}: the image differs from the one this run was started with: expected "
+                        f"{stamped.get('sha256')}, found {image.sha256} ({image.path}). A resumed run must use the "
+                        "same software: restore that image, or start a new run with -o name=NEW.")
     recorded = run.load_resolved()
     if config_hash(recorded) != recipe.config_hash:
         diff = sorted(_changed_keys(hashed_config(recorded), hashed_config(recipe.resolved)))
@@ -93,16 +105,75 @@ def _changed_keys(a: object, b: object, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if canonical_json(a) != canonical_json(b) else []
 
 
-def execute(recipe: Recipe, *, resume: bool, injections: list[Injection],
-            on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
-    with open_run(recipe, resume=resume, injections=injections) as (run, _lock):
-        env = dict(os.environ)
-        env.update({k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in recipe.resolved["env"].items()})
-        # The agent is rkit's own module: make sure the training Python can import it.
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+def training_env(recipe: Recipe, image: ImageIdentity | None, host: dict[str, str]) -> dict[str, str]:
+    """The environment of each training process: the recipe's env on top of the host's. In a container
+    (--cleanenv) only the variables that shape training (XLA_*, JAX_*, ...) and secrets such as HF_TOKEN
+    are carried in; without one, the whole host environment is inherited."""
+    extra = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in recipe.resolved["env"].items()}
+    if image is not None:
+        carried = {k: v for k, v in host.items() if k.startswith(manifest.ENV_PREFIXES) or is_secret_name(k)}
+        return {**carried, **extra}
+    env = {**host, **extra}
+    # The agent is rkit's own module: make sure the training Python can import it.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
+def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection],
+               on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
+    """`rkit run`: resolve the image (a missing apptainer or image fails here, before anything exists), then run."""
+    image = resolve_image(recipe.resolved["image"])
+    return execute(recipe, image=image, resume=resume, injections=injections, on_progress=on_progress)
+
+
+def reproduce(source: Path, *, name: str | None, allow_drift: bool,
+              on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
+    """Relaunch a run with its resolved config and the same image digest, as a new run beside it."""
+    src = RunDir(source).require()
+    resolved = src.load_resolved()
+    stamp = src.load_manifest()
+    new_name = name or _free_name(src.path.parent, f"{resolved['name']}-reproduce")
+    resolved = {**resolved, "name": new_name, "runs_dir": str(src.path.parent)}
+    text = (f"# reproduced from {src.path} (config hash {stamp.get('config_hash')})\n"
+            + yaml.safe_dump(resolved, sort_keys=True))
+    recipe = parse_recipe(str(src.path / "resolved.json"), text)
+    expected = stamp.get("image", {}).get("sha256")
+    image = resolve_image(recipe.resolved["image"], want_sha256=expected)
+    extra: dict = {"reproduced_from": {"run": str(src.path.resolve()), "config_hash": stamp.get("config_hash"),
+                                       "image_sha256": expected}}
+    if expected and image is not None and image.sha256 != expected:
+        if not allow_drift:
+            raise RkitError(f"{src.path}: the image differs from the one the run used: expected {expected}, "
+                            f"found {image.sha256} ({image.path}). Restore that image, or pass --allow-drift to "
+                            "run anyway (the drift is recorded in the new manifest).")
+        extra["drift"] = {"image": {"expected": expected, "found": image.sha256, "path": image.path}}
+    return execute(recipe, image=image, resume=False, injections=[], on_progress=on_progress, extra_stamp=extra)
+
+
+def _free_name(runs_dir: Path, base: str) -> str:
+    if not (runs_dir / base).exists():
+        return base
+    n = 2
+    while (runs_dir / f"{base}-{n}").exists():
+        n += 1
+    return f"{base}-{n}"
+
+
+def execute(recipe: Recipe, *, image: ImageIdentity | None, resume: bool, injections: list[Injection],
+            on_progress: Callable[[Progress], None] = lambda p: None,
+            extra_stamp: dict | None = None) -> tuple[RunDir, RunState]:
+    jax_cache = default_jax_cache_dir()
+    with open_run(recipe, resume=resume, injections=injections, image=image,
+                  extra_stamp=extra_stamp) as (run, _lock):
+        host = dict(os.environ)
+        container = None
+        if image is not None:
+            Path(jax_cache).mkdir(parents=True, exist_ok=True)
+            container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
+                                  binds=(str(run.path.resolve()), jax_cache))
         supervisor = Supervisor(run=run, resolved=recipe.resolved, injections=injections,
-                                backend=LocalBackend(), base_env=env, jax_cache_dir=default_jax_cache_dir(),
-                                on_progress=on_progress)
+                                backend=LocalBackend(container=container), base_env=training_env(recipe, image, host),
+                                host_env=host, image=image, jax_cache_dir=jax_cache, on_progress=on_progress)
         supervisor.install_signal_handlers()
         return run, supervisor.run_to_end()

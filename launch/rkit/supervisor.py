@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .backends.local import LocalBackend, RankExit
+from .errors import RkitError
+from .image import ImageIdentity
 from .inject import Injection, pending
 from .rundir import RunDir, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
@@ -158,6 +160,8 @@ class Supervisor:
     backend: LocalBackend
     base_env: dict[str, str]
     jax_cache_dir: str
+    host_env: dict[str, str] = field(default_factory=dict)
+    image: ImageIdentity | None = None
     on_progress: Callable[[Progress], None] = lambda p: None
     poll_seconds: float = 0.1
     clock: Callable[[], float] = time.monotonic
@@ -197,6 +201,7 @@ class Supervisor:
                           committed_step=progress.committed)
             return RunState.FINISHED
         while True:
+            self.check_image()
             outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
             final = self.final_committed()
             decision, tally = decide(tally, outcome, budgets, final)
@@ -214,6 +219,17 @@ class Supervisor:
             if decision.action is Action.STOP:
                 self.run.emit("run.interrupted", reason=decision.reason, committed_step=outcome.committed_after)
                 return RunState.INTERRUPTED
+
+    def check_image(self) -> None:
+        """The SIF must be the one the run was stamped with: never silently run different software."""
+        if self.image is None:
+            return
+        try:
+            self.image.check_unchanged()
+        except RkitError as exc:
+            self.run.emit("run.gave_up", reason=f"image check failed before attempt "
+                                                f"{self.next_attempt_number()}: {exc}")
+            raise
 
     def run_attempt(self, progress: Progress, injections: list[Injection]) -> Outcome:
         attempt = self.next_attempt_number()
@@ -240,9 +256,11 @@ class Supervisor:
         args = [maxtext.maxtext_overrides(self.resolved, self.run, rank, self.jax_cache_dir)
                 for rank in range(self.processes)]
         request = self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args,
-                                       base_env=env, attempt_dir=attempt_dir, cwd=Path.cwd())
+                                       base_env=env, attempt_dir=attempt_dir, cwd=Path.cwd(),
+                                       host_env=self.host_env)
         started = time.time()
         info = {"attempt": attempt, "started": started, "backend": self.backend.name,
+                "image": None if self.image is None else {"path": self.image.path, "sha256": self.image.sha256},
                 "resume_from_step": committed_before, "injections": [i.spec for i in injections],
                 "ranks": [{"rank": r.rank, "argv": r.argv, "log": str(r.log.relative_to(self.run.path))}
                           for r in request.ranks]}

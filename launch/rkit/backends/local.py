@@ -65,21 +65,52 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Container:
+    """Run each rank inside an Apptainer image: `apptainer exec --cleanenv [--nv|--rocm] --bind ... SIF python`."""
+
+    apptainer: str
+    sif: str
+    gpu_flags: tuple[str, ...] = ()
+    binds: tuple[str, ...] = ()
+    python: str = "/opt/venv/bin/python"
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        binds = [arg for path in self.binds for arg in ("--bind", path)]
+        return [self.apptainer, "exec", "--cleanenv", *self.gpu_flags, *binds, self.sif, self.python, *argv]
+
+    @staticmethod
+    def wrap_env(host_env: dict[str, str], process_env: dict[str, str]) -> dict[str, str]:
+        """Apptainer's own environment, plus each training variable as APPTAINERENV_<name> (values never
+        appear on a command line)."""
+        env = {k: v for k, v in host_env.items() if k in ("PATH", "HOME", "USER", "LANG", "TMPDIR")
+               or k.startswith("APPTAINER")}
+        env.update({f"APPTAINERENV_{k}": v for k, v in process_env.items()})
+        return env
+
+
 class LocalBackend:
     name = "local"
 
-    def __init__(self, python: str | None = None):
+    def __init__(self, python: str | None = None, container: Container | None = None):
         self.python = python or sys.executable
+        self.container = container
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[list[str]], base_env: dict[str, str],
-                attempt_dir: Path, cwd: Path, port: int | None = None) -> LaunchRequest:
+                attempt_dir: Path, cwd: Path, port: int | None = None,
+                host_env: dict[str, str] | None = None) -> LaunchRequest:
+        """`base_env` is what the training process sees; `host_env` what a container runtime needs."""
         coordinator = f"127.0.0.1:{port or free_port()}"
         ranks = []
         for rank in range(processes):
             env = dict(base_env)
             env.update({"RKIT_RANK": str(rank), "RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator,
                         "PYTHONUNBUFFERED": "1"})
-            argv = [self.python, "-m", "rkit.agent", *trainer_args[rank]]
+            argv = ["-m", "rkit.agent", *trainer_args[rank]]
+            if self.container:
+                argv, env = self.container.wrap(argv), Container.wrap_env(host_env or {}, env)
+            else:
+                argv = [self.python, *argv]
             ranks.append(RankLaunch(rank=rank, argv=argv, env=env, log=attempt_dir / f"rank-{rank}.log"))
         return LaunchRequest(attempt=attempt, ranks=ranks, cwd=cwd)
 

@@ -1,0 +1,305 @@
+"""Apptainer images: build (through spython) into a content-addressed cache, inspect, verify, resolve.
+
+An image is identified by the sha256 of its SIF file. The cache key of a build is the sha256 of what goes
+into it: the definition file, the lock, the build arguments that change content, the base image digest,
+and rkit's own source (rkit is installed in the image). An unchanged key is not rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import RkitError
+from .recipe import canonical_json
+
+REPO = Path(__file__).resolve().parents[2]
+FLAVORS = ("cpu", "rocm", "cuda")
+GPU_FLAGS = {"cpu": [], "rocm": ["--rocm"], "cuda": ["--nv"]}
+# Build arguments that only say where things are, not what goes in: left out of the cache key.
+LOCATION_ARGS = ("CONTEXT",)
+LABEL_PREFIX = "org.rkit."
+INSTALL_HINT = ("install it: on Debian 12 run `sudo ci/install-apptainer.sh` from the rkit checkout; elsewhere see "
+                "https://apptainer.org/docs/admin/main/installation.html (or set RKIT_APPTAINER to its path)")
+
+
+def apptainer() -> str:
+    name = os.environ.get("RKIT_APPTAINER", "apptainer")
+    found = shutil.which(name)
+    if not found:
+        raise RkitError(f"apptainer not found (looked for {name!r} on PATH); {INSTALL_HINT}.")
+    return found
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def sha256_tree(root: Path, patterns: tuple[str, ...] = ("*.py", "*.json")) -> str:
+    digest = hashlib.sha256()
+    files = sorted(p for pattern in patterns for p in root.rglob(pattern) if "__pycache__" not in p.parts)
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"sha256:{digest.hexdigest()}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RKIT_IMAGE_CACHE") or Path.home() / ".cache" / "rkit" / "images")
+
+
+def containers_dir() -> Path:
+    path = REPO / "containers"
+    if not (path / "bases.json").is_file():
+        raise RkitError(f"{path}: no container definitions here; `rkit image build` runs from an rkit checkout.")
+    return path
+
+
+def bases() -> dict[str, Any]:
+    return json.loads((containers_dir() / "bases.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------- build
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    flavor: str
+    definition: Path
+    lock: Path
+    build_args: dict[str, str]
+    key_material: dict[str, Any]
+    key: str
+
+    @property
+    def sif(self) -> Path:
+        return cache_dir() / f"{self.flavor}-{self.key.split(':')[1][:16]}.sif"
+
+    @property
+    def record(self) -> Path:
+        return self.sif.with_suffix(".json")
+
+
+def plan_build(flavor: str, overrides: dict[str, str] | None = None) -> BuildPlan:
+    if flavor not in FLAVORS:
+        raise RkitError(f"unknown image flavor {flavor!r}; use one of {', '.join(FLAVORS)}.")
+    root = containers_dir()
+    definition, lock = root / f"{flavor}.def", root / "lock" / f"{flavor}.txt"
+    base = bases()[flavor]
+    args: dict[str, str] = {}
+    if base["bootstrap"] == "debootstrap":
+        args["MIRROR"] = base["mirror"]
+        base_reference, base_digest = base["reference"], "none"
+    else:
+        base_reference, base_digest = base["reference"], base["digest"]
+        args["BASE"] = f"{base_reference}@{base_digest}"
+    unknown = set(overrides or {}) - set(args)
+    if unknown:
+        raise RkitError(f"--build-arg {', '.join(sorted(unknown))}: not a build argument of {flavor}.def "
+                        f"(it takes {', '.join(sorted(args))}).")
+    args.update(overrides or {})
+    def_sha, lock_sha = sha256_file(definition), sha256_file(lock)
+    args.update({"FLAVOR": flavor, "DEF_SHA256": def_sha, "LOCK_SHA256": lock_sha,
+                 "BASE_REFERENCE": base_reference, "BASE_DIGEST": base_digest, "RKIT_VERSION": __version__})
+    material = {"definition_sha256": def_sha, "lock_sha256": lock_sha, "base_reference": base_reference,
+                "base_digest": base_digest, "rkit_source_sha256": sha256_tree(Path(__file__).resolve().parent),
+                "build_args": dict(sorted(args.items()))}
+    key = "sha256:" + hashlib.sha256(canonical_json(material).encode()).hexdigest()
+    return BuildPlan(flavor, definition, lock, args, material, key)
+
+
+def _stage_context(plan: BuildPlan, into: Path) -> None:
+    shutil.copy2(plan.lock, into / "lock.txt")
+    src = into / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    shutil.copytree(REPO / "launch" / "rkit", src / "launch" / "rkit",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], None] = lambda line: None,
+          force: bool = False) -> dict[str, Any]:
+    """Build the SIF for `plan` unless the cache already has it; return its record."""
+    if plan.sif.is_file() and plan.record.is_file() and not force:
+        record = json.loads(plan.record.read_text(encoding="utf-8"))
+        record["cached"] = True
+        return record
+    from spython.utils import stream_command
+
+    exe = apptainer()
+    plan.sif.parent.mkdir(parents=True, exist_ok=True)
+    log = log or plan.sif.with_suffix(".build.log")
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="rkit-build-", dir=plan.sif.parent) as tmp:
+        context = Path(tmp)
+        _stage_context(plan, context)
+        args = dict(plan.build_args, CONTEXT=str(context),
+                    BUILD_DATE=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        partial = context / "image.sif"
+        argv = [exe, "build", "--fakeroot", "--force"]
+        for name, value in sorted(args.items()):
+            argv += ["--build-arg", f"{name}={value}"]
+        argv += [str(partial), str(plan.definition)]
+        with open(log, "w", encoding="utf-8") as fh:
+            fh.write(" ".join(argv) + "\n")
+            try:
+                for line in stream_command(argv, output_type="both"):
+                    fh.write(line)
+                    echo(line.rstrip("\n"))
+            except subprocess.CalledProcessError as exc:
+                raise RkitError(f"apptainer build of {plan.definition.name} failed (exit {exc.returncode}); "
+                                f"the last lines of {log}:\n{_tail(log)}") from None
+        os.replace(partial, plan.sif)  # atomic: the cache never holds half an image
+    record = {"flavor": plan.flavor, "key": plan.key, "key_material": plan.key_material, "path": str(plan.sif),
+              "sha256": sha256_file(plan.sif), "size_bytes": plan.sif.stat().st_size,
+              "build_seconds": round(time.time() - started, 1), "built": time.time(), "log": str(log)}
+    plan.record.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    record["cached"] = False
+    return record
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------- inspect / verify
+
+
+def _apptainer_json(*args: str) -> dict:
+    done = subprocess.run([apptainer(), *args], capture_output=True, text=True, check=False, timeout=300)
+    if done.returncode != 0:
+        raise RkitError(f"apptainer {' '.join(args[:-1])} {args[-1]} failed: {done.stderr.strip()[-500:]}")
+    try:
+        return json.loads(done.stdout)
+    except ValueError:
+        raise RkitError(f"apptainer {args[0]} of {args[-1]} printed no JSON: {done.stdout[:200]!r}") from None
+
+
+def labels(path: Path) -> dict[str, str]:
+    data = _apptainer_json("inspect", "--json", "--labels", str(path))
+    return data.get("data", {}).get("attributes", {}).get("labels", {}) or {}
+
+
+def image_info(path: Path) -> dict[str, Any]:
+    """/etc/rkit/image.json from inside the image."""
+    return _apptainer_json("exec", "--cleanenv", str(path), "cat", "/etc/rkit/image.json")
+
+
+def _require_file(path: Path) -> Path:
+    if not path.is_file():
+        raise RkitError(f"{path}: no such image file. Build one with `make image FLAVOR=cpu` "
+                        "(or `rkit image build cpu`), or give the path of a SIF.")
+    return path
+
+
+def inspect(path: Path) -> dict[str, Any]:
+    path = _require_file(path)
+    found = labels(path)
+    info = image_info(path)
+    return {"path": str(path.resolve()), "sha256": sha256_file(path), "size_bytes": path.stat().st_size,
+            "flavor": found.get(LABEL_PREFIX + "flavor"),
+            "labels": {k: v for k, v in sorted(found.items()) if k.startswith(LABEL_PREFIX)},
+            "python": info.get("python"), "package_count": len(info.get("packages", {})),
+            "rkit_version": info.get("rkit_installed")}
+
+
+def verify(path: Path, expect: str) -> str:
+    """Raise unless the SIF's sha256 is `expect`; return it."""
+    found = sha256_file(_require_file(path))
+    expected = expect if expect.startswith("sha256:") else f"sha256:{expect}"
+    if found != expected:
+        raise RkitError(f"{path}: image digest mismatch: expected {expected}, found {found}. The file was rebuilt "
+                        "or replaced; use the image the run was made with, or accept the change explicitly.")
+    return found
+
+
+# ---------------------------------------------------------------- resolve (recipes)
+
+
+@dataclass
+class ImageIdentity:
+    """What a run records about its image, and checks again before every attempt."""
+
+    reference: str
+    path: str
+    sha256: str
+    flavor: str | None
+    labels: dict[str, str] = field(default_factory=dict)
+    size_bytes: int = 0
+
+    @property
+    def gpu_flags(self) -> list[str]:
+        return GPU_FLAGS.get(self.flavor or "cpu", [])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": "sif", **asdict(self)}
+
+    def check_unchanged(self) -> None:
+        """Before every attempt: the SIF must be the one the run was stamped with."""
+        if not Path(self.path).is_file():
+            raise RkitError(f"{self.path}: the run's image is gone (expected {self.sha256}); restore it or "
+                            "rebuild it with the same definition and lock.")
+        verify(Path(self.path), self.sha256)
+
+
+def cached_records(flavor: str) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(cache_dir().glob(f"{flavor}-*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:
+            continue
+        if record.get("flavor") == flavor and Path(record.get("path", "")).is_file():
+            records.append(record)
+    return sorted(records, key=lambda r: r.get("built", 0), reverse=True)
+
+
+def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
+    """The cached image of this flavor built from the current definition and lock (or with a given digest)."""
+    records = cached_records(flavor)
+    if want_sha256:
+        for record in records:
+            if record["sha256"] == want_sha256:
+                return Path(record["path"])
+    plan = plan_build(flavor)
+    current = [r for r in records if r["key_material"]["definition_sha256"] == plan.key_material["definition_sha256"]
+               and r["key_material"]["lock_sha256"] == plan.key_material["lock_sha256"]]
+    if not current:
+        raise RkitError(f"image {flavor!r}: no {flavor} image built from the current containers/{flavor}.def and "
+                        f"lock in {cache_dir()}; build it with `make image FLAVOR={flavor}`.")
+    return Path(current[0]["path"])
+
+
+def resolve(reference: str, want_sha256: str | None = None) -> ImageIdentity | None:
+    """A recipe's `image:` value: 'none', a flavor name (through the cache), or a SIF path (relative paths
+    are relative to the current directory)."""
+    if reference == "none":
+        return None
+    apptainer()  # missing apptainer: say so before anything is created
+    if reference in FLAVORS:
+        path = resolve_flavor(reference, want_sha256)
+    else:
+        path = _require_file(Path(reference).expanduser())
+    path = path.resolve()
+    found = labels(path)
+    return ImageIdentity(reference=reference, path=str(path), sha256=sha256_file(path),
+                         flavor=found.get(LABEL_PREFIX + "flavor"),
+                         labels={k: v for k, v in sorted(found.items()) if k.startswith(LABEL_PREFIX)},
+                         size_bytes=path.stat().st_size)

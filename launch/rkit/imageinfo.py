@@ -1,0 +1,43 @@
+"""Runs inside an image while it is built: writes /etc/rkit/image.json (the labels plus the package list).
+
+    python -m rkit.imageinfo /etc/rkit/image.json --flavor cpu --definition-sha256 ... [--key value]...
+
+Standard library only: it runs in the image's fresh venv before anything else is trusted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+
+FIELDS = ("flavor", "definition-sha256", "lock-sha256", "base-reference", "base-digest", "rkit-version",
+          "build-date", "mirror")
+
+
+def installed_packages() -> dict[str, str]:
+    from .manifest import packages
+
+    return packages()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rkit.imageinfo")
+    parser.add_argument("out")
+    for field in FIELDS:
+        parser.add_argument(f"--{field}", default=None)
+    args = parser.parse_args(argv)
+    info = {field.replace("-", "_"): getattr(args, field.replace("-", "_")) for field in FIELDS}
+    info.update({"python": platform.python_version(), "python_executable": sys.executable,
+                 "packages": installed_packages(), "rkit_installed": metadata.version("rkit")})
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(info, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+
+
+if __name__ == "__main__":
+    main()
