@@ -7,7 +7,10 @@ RECIPE ?= recipes/tiny-cpu.yaml
 RUN_ARGS ?= --resume
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test lint lock bench clean
+FLAVOR ?= cpu
+MIRROR ?=
+
+.PHONY: setup setup-dev run test lint lock bench clean image apptainer
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt pyproject.toml ci/find-python
@@ -30,9 +33,20 @@ setup-dev: $(VENV)/.stamp-dev
 run: setup
 	$(VENV)/bin/rkit run $(RECIPE) $(RUN_ARGS)
 
-test: setup-dev
+# A real Apptainer (ci/install-apptainer.sh: Debian 12, root). Without root it says why; the image tests then
+# skip on a laptop and fail in CI (CI=true).
+apptainer:
+	@command -v apptainer >/dev/null || ci/install-apptainer.sh || \
+	  echo "rkit: warning: no apptainer (ci/install-apptainer.sh needs root on Debian 12); image tests cannot run"
+
+test: setup-dev apptainer
 	$(VENV)/bin/ruff check launch tests
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# An image into the content-addressed cache (~/.cache/rkit/images); an unchanged key returns at once.
+# MIRROR=... overrides the cpu image's Debian mirror (default: the dated snapshot in containers/cpu.def).
+image: setup apptainer
+	$(VENV)/bin/rkit image build $(FLAVOR) $(if $(MIRROR),--build-arg MIRROR=$(MIRROR))
 
 lint: setup-dev
 	$(VENV)/bin/ruff check launch tests

@@ -27,6 +27,19 @@ def require_maxtext() -> None:
         pytest.skip(message)
 
 
+def require_apptainer() -> str:
+    """Image tests need a real Apptainer (make test installs it with ci/install-apptainer.sh)."""
+    import shutil
+
+    found = shutil.which(os.environ.get("RKIT_APPTAINER", "apptainer"))
+    if not found:
+        message = "apptainer is not installed; run `sudo ci/install-apptainer.sh` (make test does it as root)"
+        if in_ci():
+            pytest.fail(f"CI=true and the test bed is missing: {message}")
+        pytest.skip(message)
+    return found
+
+
 def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
          check: int | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (exit codes, stdout and stderr as a user sees them)."""

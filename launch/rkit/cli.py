@@ -121,7 +121,7 @@ def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: 
         if not sep or not key:
             raise RkitError(f"--build-arg {item!r}: expected NAME=VALUE.")
         overrides[key] = value
-    plan = images.plan_build(flavor, overrides)
+    plan = images.plan_build(flavor, overrides, log=lambda line: click.echo(line, err=True))
     click.echo(f"rkit: image {flavor}, key {plan.key}", err=True)
     record = images.build(plan, force=force, echo=(lambda line: click.echo(line, err=True)) if verbose else
                           (lambda line: None))

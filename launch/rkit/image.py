@@ -93,7 +93,32 @@ class BuildPlan:
         return self.sif.with_suffix(".json")
 
 
-def plan_build(flavor: str, overrides: dict[str, str] | None = None) -> BuildPlan:
+def definition_arguments(definition: Path) -> dict[str, str]:
+    """Defaults of a definition file's %arguments section (NAME=VALUE lines)."""
+    args: dict[str, str] = {}
+    section = None
+    for line in definition.read_text(encoding="utf-8").splitlines():
+        if line.startswith("%"):
+            section = line.split()[0]
+            continue
+        name, sep, value = line.strip().partition("=")
+        if section == "%arguments" and sep and name and not name.startswith("#"):
+            args[name] = value
+    return args
+
+
+def mirror_reachable(mirror: str, timeout: float = 10) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(mirror.rstrip("/") + "/dists/trixie/Release", timeout=timeout) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def plan_build(flavor: str, overrides: dict[str, str] | None = None,
+               log: Callable[[str], None] = lambda line: None) -> BuildPlan:
     if flavor not in FLAVORS:
         raise RkitError(f"unknown image flavor {flavor!r}; use one of {', '.join(FLAVORS)}.")
     root = containers_dir()
@@ -101,7 +126,13 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None) -> BuildPla
     base = bases()[flavor]
     args: dict[str, str] = {}
     if base["bootstrap"] == "debootstrap":
-        args["MIRROR"] = base["mirror"]
+        args["MIRROR"] = definition_arguments(definition)["MIRROR"]
+        if "MIRROR" not in (overrides or {}) and not mirror_reachable(args["MIRROR"]):
+            # The dated snapshot is what makes the build reproducible; where it cannot be reached, say so and
+            # use the plain mirror (recorded in the image's labels and in the cache key).
+            log(f"rkit: warning: the snapshot mirror {args['MIRROR']} is unreachable; building from "
+                f"{base['fallback_mirror']} instead (not reproducible; choose with --build-arg MIRROR=...)")
+            args["MIRROR"] = base["fallback_mirror"]
         base_reference, base_digest = base["reference"], "none"
     else:
         base_reference, base_digest = base["reference"], base["digest"]
@@ -121,8 +152,19 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None) -> BuildPla
     return BuildPlan(flavor, definition, lock, args, material, key)
 
 
+# Where a TLS-intercepting proxy sits between the build and PyPI, pip inside the build needs the host's CA
+# bundle. It is used for the download only and removed; it cannot change what is installed (every package is
+# checked against the lock's sha256), so it is not part of the cache key.
+CA_VARIABLES = ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+
+
 def _stage_context(plan: BuildPlan, into: Path) -> None:
     shutil.copy2(plan.lock, into / "lock.txt")
+    ca = next((os.environ[v] for v in CA_VARIABLES if os.path.isfile(os.environ.get(v, ""))), None)
+    if ca:
+        shutil.copy2(ca, into / "ca.pem")
+    else:
+        (into / "ca.pem").write_bytes(b"")
     src = into / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -154,6 +196,7 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
         for name, value in sorted(args.items()):
             argv += ["--build-arg", f"{name}={value}"]
         argv += [str(partial), str(plan.definition)]
+        failed = None
         with open(log, "w", encoding="utf-8") as fh:
             fh.write(" ".join(argv) + "\n")
             try:
@@ -161,8 +204,10 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
                     fh.write(line)
                     echo(line.rstrip("\n"))
             except subprocess.CalledProcessError as exc:
-                raise RkitError(f"apptainer build of {plan.definition.name} failed (exit {exc.returncode}); "
-                                f"the last lines of {log}:\n{_tail(log)}") from None
+                failed = exc.returncode
+        if failed is not None:
+            raise RkitError(f"apptainer build of {plan.definition.name} failed (exit {failed}); "
+                            f"the last lines of {log}:\n{_tail(log)}")
         os.replace(partial, plan.sif)  # atomic: the cache never holds half an image
     record = {"flavor": plan.flavor, "key": plan.key, "key_material": plan.key_material, "path": str(plan.sif),
               "sha256": sha256_file(plan.sif), "size_bytes": plan.sif.stat().st_size,
@@ -278,28 +323,34 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
         for record in records:
             if record["sha256"] == want_sha256:
                 return Path(record["path"])
-    plan = plan_build(flavor)
-    current = [r for r in records if r["key_material"]["definition_sha256"] == plan.key_material["definition_sha256"]
-               and r["key_material"]["lock_sha256"] == plan.key_material["lock_sha256"]]
+    plan = plan_build(flavor, {"MIRROR": "any"} if flavor == "cpu" else None)
+    same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_source_sha256")
+    current = [r for r in records if all(r["key_material"].get(k) == plan.key_material[k] for k in same)]
     if not current:
-        raise RkitError(f"image {flavor!r}: no {flavor} image built from the current containers/{flavor}.def and "
-                        f"lock in {cache_dir()}; build it with `make image FLAVOR={flavor}`.")
+        raise RkitError(f"image {flavor!r}: no {flavor} image built from the current containers/{flavor}.def, its "
+                        f"lock and this rkit in {cache_dir()}; build it with `make image FLAVOR={flavor}`.")
     return Path(current[0]["path"])
 
 
-def resolve(reference: str, want_sha256: str | None = None) -> ImageIdentity | None:
-    """A recipe's `image:` value: 'none', a flavor name (through the cache), or a SIF path (relative paths
-    are relative to the current directory)."""
+def locate(reference: str, want_sha256: str | None = None) -> Path | None:
+    """Where a recipe's `image:` value points: None for 'none', the cache for a flavor name (the image with
+    `want_sha256` if cached), else a SIF path (relative paths are relative to the current directory)."""
     if reference == "none":
         return None
     apptainer()  # missing apptainer: say so before anything is created
     if reference in FLAVORS:
-        path = resolve_flavor(reference, want_sha256)
-    else:
-        path = _require_file(Path(reference).expanduser())
-    path = path.resolve()
+        return resolve_flavor(reference, want_sha256).resolve()
+    return _require_file(Path(reference).expanduser()).resolve()
+
+
+def identify(reference: str, path: Path, sha256: str | None = None) -> ImageIdentity:
     found = labels(path)
-    return ImageIdentity(reference=reference, path=str(path), sha256=sha256_file(path),
+    return ImageIdentity(reference=reference, path=str(path), sha256=sha256 or sha256_file(path),
                          flavor=found.get(LABEL_PREFIX + "flavor"),
                          labels={k: v for k, v in sorted(found.items()) if k.startswith(LABEL_PREFIX)},
                          size_bytes=path.stat().st_size)
+
+
+def resolve(reference: str) -> ImageIdentity | None:
+    path = locate(reference)
+    return None if path is None else identify(reference, path)

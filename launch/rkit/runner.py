@@ -13,7 +13,7 @@ import yaml
 from . import __version__, manifest
 from .backends.local import Container, LocalBackend
 from .errors import RkitError
-from .image import ImageIdentity, apptainer
+from .image import ImageIdentity, apptainer, identify, locate, sha256_file
 from .image import resolve as resolve_image
 from .inject import Injection
 from .recipe import Recipe, canonical_json, config_hash, hashed_config, is_secret_name, parse_recipe
@@ -139,15 +139,19 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
             + yaml.safe_dump(resolved, sort_keys=True))
     recipe = parse_recipe(str(src.path / "resolved.json"), text)
     expected = stamp.get("image", {}).get("sha256")
-    image = resolve_image(recipe.resolved["image"], want_sha256=expected)
     extra: dict = {"reproduced_from": {"run": str(src.path.resolve()), "config_hash": stamp.get("config_hash"),
                                        "image_sha256": expected}}
-    if expected and image is not None and image.sha256 != expected:
-        if not allow_drift:
-            raise RkitError(f"{src.path}: the image differs from the one the run used: expected {expected}, "
-                            f"found {image.sha256} ({image.path}). Restore that image, or pass --allow-drift to "
-                            "run anyway (the drift is recorded in the new manifest).")
-        extra["drift"] = {"image": {"expected": expected, "found": image.sha256, "path": image.path}}
+    path = locate(recipe.resolved["image"], want_sha256=expected)
+    image = None
+    if path is not None:
+        found = sha256_file(path)
+        if expected and found != expected:
+            if not allow_drift:
+                raise RkitError(f"{src.path}: the image differs from the one the run used: expected {expected}, "
+                                f"found {found} ({path}). Restore that image, or pass --allow-drift to run anyway "
+                                "(the drift is recorded in the new manifest).")
+            extra["drift"] = {"image": {"expected": expected, "found": found, "path": str(path)}}
+        image = identify(recipe.resolved["image"], path, found)
     return execute(recipe, image=image, resume=False, injections=[], on_progress=on_progress, extra_stamp=extra)
 
 

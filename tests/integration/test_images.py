@@ -1,0 +1,154 @@
+"""The cpu image, built for real with Apptainer from containers/cpu.def (once per test session, then cached),
+and the tiny recipe trained inside it with 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+from rkit.image import image_info, sha256_file
+from rkit.rundir import RunDir
+from rkit.telemetry.metrics import merged
+
+from ..conftest import REPO, require_apptainer, require_maxtext, rkit
+from ..unit.test_container_definitions import lock_entries, normalize
+
+pytestmark = [pytest.mark.slow]
+
+# The image tests use the plain Debian mirror (the one reachable here), not the dated snapshot default.
+MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
+SHORT = ["-o", "trainer.steps=30", "-o", "checkpoint.period=10"]
+RECIPE = REPO / "recipes" / "tiny-cpu-image.yaml"
+
+
+@pytest.fixture(scope="session")
+def cpu_image() -> Path:
+    require_apptainer()
+    done = rkit("image", "build", "cpu", *MIRROR, timeout=3600, check=0)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def image_workspace(tmp_path_factory, cpu_image: Path) -> Path:
+    require_maxtext()
+    path = tmp_path_factory.mktemp("images") / "image runs"
+    path.mkdir()
+    # A second name for the same file: the run records this path, and a test later replaces it.
+    os.link(cpu_image, path / "tiny image.sif")
+    return path
+
+
+@pytest.fixture(scope="session")
+def image_run(image_workspace: Path) -> RunDir:
+    rkit("run", str(RECIPE), "-o", "name=in-image", "-o", f"image={image_workspace / 'tiny image.sif'}", *SHORT,
+         "--inject", "kill:rank=1,step=25", cwd=image_workspace, check=0)
+    return RunDir(image_workspace / "runs" / "in-image")
+
+
+def test_second_build_returns_from_the_cache(cpu_image: Path):
+    before = cpu_image.stat().st_mtime_ns
+    done = rkit("image", "build", "cpu", *MIRROR, check=0)
+    assert "cached" in done.stderr and done.stdout.strip() == str(cpu_image)
+    assert cpu_image.stat().st_mtime_ns == before
+
+
+def test_inspect_shows_the_labels(cpu_image: Path):
+    info = json.loads(rkit("image", "inspect", "--json", str(cpu_image), check=0).stdout)
+    labels = info["labels"]
+    assert info["sha256"] == sha256_file(cpu_image) and info["flavor"] == "cpu"
+    assert labels["org.rkit.definition.sha256"] == sha256_file(REPO / "containers" / "cpu.def")
+    assert labels["org.rkit.lock.sha256"] == sha256_file(REPO / "containers" / "lock" / "cpu.txt")
+    assert labels["org.rkit.base.reference"] == "debian:trixie"
+    assert labels["org.rkit.base.mirror"] == "http://deb.debian.org/debian"
+    assert labels["org.rkit.version"] and labels["org.rkit.build.date"].startswith("20")
+    assert info["package_count"] > 100
+    text = rkit("image", "inspect", str(cpu_image), check=0).stdout
+    assert "org.rkit.lock.sha256" in text
+
+
+def test_in_image_packages_equal_the_lock(cpu_image: Path):
+    info = image_info(cpu_image)
+    env = default_environment()
+    env.update(python_version=".".join(info["python"].split(".")[:2]), python_full_version=info["python"],
+               sys_platform="linux", platform_system="Linux", platform_machine="x86_64")
+    expected = {}
+    for requirement, _ in lock_entries(REPO / "containers" / "lock" / "cpu.txt"):
+        req = Requirement(requirement)
+        if req.marker is None or req.marker.evaluate(env):
+            expected[normalize(req.name)] = str(req.specifier).lstrip("=")
+    installed = {k: v for k, v in info["packages"].items() if k not in ("pip", "rkit")}
+    assert installed == expected
+    assert info["packages"]["rkit"] and info["definition_sha256"] == sha256_file(REPO / "containers" / "cpu.def")
+
+
+def test_verify(cpu_image: Path):
+    digest = sha256_file(cpu_image)
+    assert rkit("image", "verify", str(cpu_image), "--expect", digest).returncode == 0
+    wrong = "sha256:" + "0" * 64
+    done = rkit("image", "verify", str(cpu_image), "--expect", wrong)
+    assert done.returncode == 2 and wrong in done.stderr and digest in done.stderr
+
+
+def test_run_inside_the_image_survives_a_kill(image_run: RunDir, image_workspace: Path):
+    s = json.loads(rkit("status", "--json", str(image_run.path), check=0).stdout)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["task_signal", "completed"]
+    assert len(merged(image_run, 0)) == 30
+    stamp = image_run.load_manifest()
+    sif = image_workspace / "tiny image.sif"
+    assert stamp["image"]["sha256"] == sha256_file(sif) and stamp["image"]["flavor"] == "cpu"
+    assert stamp["image"]["labels"]["org.rkit.lock.sha256"]
+    image_packages = image_info(sif)["packages"]
+    for attempt in (1, 2):
+        for rank in (0, 1):
+            env = json.loads((image_run.attempt_dir(attempt) / "env" / f"rank-{rank}.json").read_text())
+            assert env["python"]["executable"] == "/opt/venv/bin/python"  # the image's Python, not the host's
+            assert env["packages"] == image_packages and "pytest" not in env["packages"]
+            assert env["jax"]["process_count"] == 2
+    argv = json.loads((image_run.attempt_dir(1) / "attempt.json").read_text())["ranks"][0]["argv"]
+    assert argv[1:3] == ["exec", "--cleanenv"] and str(sif.resolve()) in argv
+
+
+def test_reproduce_then_diff_shows_only_what_must_differ(image_run: RunDir, image_workspace: Path):
+    rkit("reproduce", str(image_run.path), "--name", "again", cwd=image_workspace, check=0)
+    again = RunDir(image_workspace / "runs" / "again")
+    assert again.load_manifest()["reproduced_from"]["image_sha256"] == image_run.load_manifest()["image"]["sha256"]
+    assert merged(again, 0)[29]["loss"] == merged(image_run, 0)[29]["loss"]
+    done = rkit("diff", str(image_run.path), str(again.path))
+    assert done.returncode == 0, done.stdout
+    result = json.loads(rkit("diff", "--json", str(image_run.path), str(again.path)).stdout)
+    assert set(result["groups"]) == {"run"}
+    assert {c["key"] for c in result["groups"]["run"]} <= {"name", "path", "created", "injections", "recipe_source"}
+
+
+def test_reproduce_refuses_a_replaced_image(image_run: RunDir, image_workspace: Path):
+    sif = image_workspace / "tiny image.sif"
+    expected = image_run.load_manifest()["image"]["sha256"]
+    replacement = image_workspace / "replacement.sif"
+    shutil.copyfile(sif, replacement)
+    with open(replacement, "ab") as fh:
+        fh.write(b"rebuilt")
+    os.replace(replacement, sif)
+    found = sha256_file(sif)
+    done = rkit("reproduce", str(image_run.path), "--name", "drifted", cwd=image_workspace)
+    assert done.returncode == 2 and expected in done.stderr and found in done.stderr
+    assert "--allow-drift" in done.stderr and "Traceback" not in done.stderr
+    assert not (image_workspace / "runs" / "drifted").exists()
+
+
+def test_missing_apptainer_or_image_fails_before_anything(image_workspace: Path, tmp_path: Path):
+    done = rkit("run", str(RECIPE), "-o", "name=noapp", cwd=image_workspace,
+                env={"RKIT_APPTAINER": "/nonexistent/apptainer"})
+    assert done.returncode == 2 and "install-apptainer.sh" in done.stderr
+    done = rkit("run", str(RECIPE), "-o", "name=nosif", "-o", "image=/nonexistent/x.sif", cwd=image_workspace)
+    assert done.returncode == 2 and "make image FLAVOR=cpu" in done.stderr
+    done = rkit("run", str(RECIPE), "-o", "name=nocache", cwd=image_workspace,
+                env={"RKIT_IMAGE_CACHE": str(tmp_path)})
+    assert done.returncode == 2 and "make image FLAVOR=cpu" in done.stderr
+    for name in ("noapp", "nosif", "nocache"):
+        assert not (image_workspace / "runs" / name).exists()

@@ -1,0 +1,118 @@
+"""What can be proved here about the images that cannot be built here (rocm, cuda), and about all locks."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from spython.main.parse.parsers import SingularityParser
+
+from rkit.image import definition_arguments, plan_build
+
+from ..conftest import REPO
+
+CONTAINERS = REPO / "containers"
+BASES = json.loads((CONTAINERS / "bases.json").read_text())
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_entries(path: Path) -> list[tuple[str, list[str]]]:
+    """(requirement, hashes) for every requirement of a `--generate-hashes` lock."""
+    text = path.read_text().replace("\\\n", " ")
+    entries = []
+    for line in text.splitlines():
+        line = line.split(" #")[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        requirement = line.split("--hash")[0].strip()
+        entries.append((requirement, re.findall(r"--hash=(sha256:[0-9a-f]{64})", line)))
+    return entries
+
+
+@pytest.mark.parametrize("flavor", ["rocm", "cuda"])
+def test_definition_parses_and_installs_only_the_hash_locked_set(flavor):
+    """spython's parser reads docker-bootstrap definitions; the cpu one (debootstrap) is built for real."""
+    recipe = next(iter(SingularityParser(str(CONTAINERS / f"{flavor}.def")).recipe.values()))
+    post = " ".join(recipe.install).replace("\\ ", " ")
+    pip_lines = [c for c in re.split(r"(?<=\S)\s(?=/opt/venv/bin/)", post) if "pip install" in c]
+    assert len(pip_lines) == 2
+    assert "--require-hashes --no-deps -r /opt/rkit/lock.txt" in pip_lines[0].replace("  ", " ")
+    assert "--no-deps" in pip_lines[1] and pip_lines[1].rstrip().split()[-1].startswith("/opt/rkit/src")
+    assert not re.search(r"\b(curl|wget)\b", post), "no download without a checksum"
+    labels = " ".join(recipe.labels)
+    for label in ("org.rkit.definition.sha256", "org.rkit.lock.sha256", "org.rkit.base.reference",
+                  "org.rkit.base.digest", "org.rkit.version", "org.rkit.build.date", "org.rkit.flavor"):
+        assert label in labels
+    assert any("/etc/rkit/image.json" in line for line in recipe.install)
+
+
+@pytest.mark.parametrize("flavor", ["rocm", "cuda"])
+def test_gpu_bases_are_pinned_by_digest_in_one_data_file(flavor):
+    base = BASES[flavor]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", base["digest"])
+    plan = plan_build(flavor)
+    assert plan.build_args["BASE"] == f"{base['reference']}@{base['digest']}"
+    # The definition carries no digest of its own: bases.json is the one place to refresh.
+    assert base["digest"] not in (CONTAINERS / f"{flavor}.def").read_text()
+    assert definition_arguments(CONTAINERS / f"{flavor}.def")["BASE"].startswith("set-by-rkit")
+    assert "skopeo inspect" in " ".join(BASES["_about"])
+
+
+def test_rocm_environment_and_gpu_plugins():
+    rocm = (CONTAINERS / "rocm.def").read_text()
+    assert "--xla_gpu_enable_command_buffer=" in rocm and "ROCM_PATH=/opt/rocm" in rocm
+    names = {req.split("==")[0] for req, _ in lock_entries(CONTAINERS / "lock" / "rocm.txt")}
+    assert {"jax-rocm7-plugin", "jax-rocm7-pjrt", "maxtext", "orbax-checkpoint"} <= names
+    cuda = {req.split("==")[0] for req, _ in lock_entries(CONTAINERS / "lock" / "cuda.txt")}
+    assert {"jax-cuda13-plugin", "jax-cuda13-pjrt", "maxtext"} <= cuda
+
+
+def test_cpu_mirror_default_is_a_dated_snapshot():
+    mirror = definition_arguments(CONTAINERS / "cpu.def")["MIRROR"]
+    assert re.match(r"http://snapshot\.debian\.org/archive/debian/\d{8}T\d{6}Z/?$", mirror)
+
+
+@pytest.mark.parametrize("lock", ["cpu", "dev", "rocm", "cuda", "tools"])
+def test_every_package_is_pinned_with_a_hash(lock):
+    entries = lock_entries(CONTAINERS / "lock" / f"{lock}.txt")
+    assert entries
+    for requirement, hashes in entries:
+        assert re.match(r"^[A-Za-z0-9._-]+(\[[^\]]+\])?==[^\s;]+", requirement), requirement
+        assert hashes, f"{requirement} has no --hash"
+
+
+def test_cache_key_covers_content_not_location():
+    a = plan_build("cpu", {"MIRROR": "http://deb.debian.org/debian"})
+    b = plan_build("cpu", {"MIRROR": "http://deb.debian.org/debian"})
+    c = plan_build("cpu", {"MIRROR": "http://ftp.debian.org/debian"})
+    assert a.key == b.key != c.key
+    assert "CONTEXT" not in a.key_material["build_args"] and "BUILD_DATE" not in a.key_material["build_args"]
+    assert a.key_material["definition_sha256"].startswith("sha256:")
+
+
+PLATFORMS = [arg for n in range(17, 29) for arg in ("--platform", f"manylinux_2_{n}_x86_64")] + [
+    "--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor", ["rocm", "cuda"])
+def test_gpu_lock_resolves_for_its_platform(flavor, tmp_path):
+    """pip resolves every pinned wheel, hash-checked, for Python 3.12 on x86_64 manylinux_2_28 (no install)."""
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--only-binary=:all:", *PLATFORMS, "--python-version", "3.12", "--implementation", "cp",
+                           "--require-hashes", "--no-deps", "--target", str(tmp_path / "t"), "--report", str(report),
+                           "-r", str(CONTAINERS / "lock" / f"{flavor}.txt")],
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    installed = {normalize(item["metadata"]["name"]) for item in json.loads(report.read_text())["install"]}
+    pinned = {normalize(req.split("==")[0].split("[")[0])
+              for req, _ in lock_entries(CONTAINERS / "lock" / f"{flavor}.txt")}
+    assert installed == pinned
