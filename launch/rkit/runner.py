@@ -65,6 +65,9 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
     run.recipe.write_text(recipe.text, encoding="utf-8")
     write_json_atomic(run.resolved, recipe.resolved)
     host = manifest.capture(recipe_path=Path(recipe.source))
+    if "reproduced_from" in extra:
+        # The recipe comes from the original run, so its provenance (the recipe's repository) is the original's.
+        host["git"] = extra["reproduced_from"]["git"]
     stamp_data = {
         "rkit_version": __version__,
         "run": {"name": recipe.name, "path": str(run.path.resolve()), "created": time.time(),
@@ -140,7 +143,7 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
     recipe = parse_recipe(str(src.path / "resolved.json"), text)
     expected = stamp.get("image", {}).get("sha256")
     extra: dict = {"reproduced_from": {"run": str(src.path.resolve()), "config_hash": stamp.get("config_hash"),
-                                       "image_sha256": expected}}
+                                       "image_sha256": expected, "git": stamp.get("host", {}).get("git")}}
     path = locate(recipe.resolved["image"], want_sha256=expected)
     image = None
     if path is not None:
