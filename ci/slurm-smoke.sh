@@ -104,7 +104,7 @@ srun -n1 --container=$SIF python3 -c 'import sys, time; time.sleep(float(sys.arg
 echo "end restart=\${SLURM_RESTART_COUNT:-0}"
 EOF
 j=$(sbatch --parsable --requeue -N1 --open-mode=append -o "$W/requeue-%j.out" "$W/requeue.sh")
-sleeper_runs() { cluster-ns exec pgrep -f "^python3 -c .* rkit-smoke-sleeper-$$ " > /dev/null; }
+sleeper_runs() { cluster-ns exec pgrep -f "^[^ ]*python3 -c .* rkit-smoke-sleeper-$$ " > /dev/null; }
 wait_until 60 "job $j to start its container task" sleeper_runs
 node=$(jfield "$j" NodeList)
 timing "  submit -> container task running" $((SECONDS - t))

@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     from absl import app
     from maxtext.trainers.pre_train import train
 
-    from .trainers.maxtext import resolve_base_config
+    from .trainers.maxtext import rank_overrides, resolve_base_config
 
-    app.run(train.main, argv=["maxtext", resolve_base_config(ctx.base_config), *overrides])
+    argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides, *rank_overrides(ctx.run, ctx.rank)]
+    app.run(train.main, argv=argv)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
               help="Inject a fault: kill:rank=R,step=S | exit:rank=R,step=S,code=C | sigterm:step=S "
                    "(add ,repeat=true to fire every attempt).")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
-def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool) -> None:
-    """Validate RECIPE, stamp a run directory and train under the supervisor."""
+@click.option("--wait", is_flag=True, help="launcher: slurm: follow the job until the run ends.")
+def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
+        wait: bool) -> None:
+    """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
     from . import report, runner
     from .display import live_progress
     from .inject import parse_injections
@@ -76,10 +78,58 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
 
     loaded = load_recipe(recipe, overrides)
     injections = parse_injections(injects, loaded.processes)
-    with live_progress(enabled=not quiet, total=loaded.total_steps) as on_progress:
+    with live_progress(enabled=not quiet and loaded.resolved["launcher"] == "local",
+                       total=loaded.total_steps) as on_progress:
         run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)
+    if state.value == "pending":
+        click.echo(f"rkit: submitted {run_dir} as Slurm job {runner.slurm_job(run_dir)}; "
+                   f"follow it with: rkit status {run_dir}")
+        if not wait:
+            return
+        state = report.follow(run_dir, echo=click.echo)
     click.echo(report.render_status(report.status(run_dir)))
     sys.exit(EXIT_CODES.get(state.value, 1))
+
+
+@main.command(hidden=True)
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def supervise(run_dir: Path) -> None:
+    """(Inside a Slurm batch job) run RUN's attempts as job steps."""
+    from . import runner
+
+    state = runner.supervise(run_dir)
+    sys.exit(EXIT_CODES.get(state.value, 0 if state.value == "requeued" else 1))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def cancel(run_dir: Path) -> None:
+    """Cancel RUN's Slurm job (scancel); the run stays resumable with `rkit run RECIPE --resume`."""
+    from . import runner
+    from .backends import slurm
+    from .rundir import RunDir
+
+    run = RunDir(run_dir).require()
+    job = runner.slurm_job(run)
+    if not job:
+        raise RkitError(f"{run_dir}: this run was never submitted to Slurm; stop a local run with Ctrl-C.")
+    run.emit("job.cancel_requested", job_id=job)
+    ok = slurm.cancel(job)
+    click.echo(f"rkit: {'cancelled' if ok else 'could not cancel'} Slurm job {job}")
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--rank", type=int, default=0, show_default=True)
+@click.option("--attempt", type=int, default=None, help="Default: the newest.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
+def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
+    """Print one process's log of one attempt."""
+    from . import report
+    from .rundir import RunDir
+
+    report.print_log(RunDir(run_dir).require(), rank=rank, attempt=attempt, follow=follow, echo=click.echo)
 
 
 @main.command()

@@ -41,6 +41,17 @@ OWNED_MAXTEXT_KEYS = {
     "skip_jax_distributed_system": "resources.processes_per_node (rkit sets up jax.distributed)",
 }
 
+# sbatch options rkit sets itself: refused in slurm.extra_sbatch, with where they come from.
+SLURM_OWNED_OPTIONS = {
+    "--requeue": "always on", "--no-requeue": "rkit requeues", "--signal": "slurm.signal_lead_seconds",
+    "--parsable": "always on", "--output": "the run directory", "--error": "the run directory",
+    "--open-mode": "append", "--nodes": "resources.nodes + slurm.spare_nodes",
+    "--ntasks-per-node": "resources.processes_per_node", "--ntasks": "resources", "--job-name": "name",
+    "--partition": "slurm.partition", "--account": "slurm.account", "--qos": "slurm.qos", "--time": "slurm.time",
+    "--gpus-per-node": "slurm.gpus_per_node", "--exclusive": "slurm.exclusive", "--wrap": "the batch script",
+    "--container": "image and slurm.container_launch", "--chdir": "the run directory",
+}
+
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
@@ -325,6 +336,17 @@ def _semantic_problems(data: dict) -> list[Problem]:
         for key in sorted(set(overrides) & set(OWNED_MAXTEXT_KEYS)):
             problems.append(Problem(f"trainer.overrides.{key}",
                                     f"rkit sets MaxText's '{key}' itself; use {OWNED_MAXTEXT_KEYS[key]}."))
+    if data.get("launcher") == "local" and isinstance(data.get("resources"), dict) \
+            and data["resources"].get("nodes", 1) != 1:
+        problems.append(Problem("resources.nodes", "the local launcher runs on one node; set 1, or use "
+                                                   "launcher: slurm for several."))
+    slurm = data.get("slurm")
+    if isinstance(slurm, dict):
+        for i, option in enumerate(slurm.get("extra_sbatch") or []):
+            name = str(option).split("=", 1)[0]
+            if name in SLURM_OWNED_OPTIONS:
+                problems.append(Problem(f"slurm.extra_sbatch[{i}]", f"rkit sets {name} itself "
+                                                                    f"({SLURM_OWNED_OPTIONS[name]})."))
     env = data.get("env")
     if isinstance(env, dict):
         for key in sorted(k for k in env if isinstance(k, str) and is_secret_name(k)):

@@ -13,9 +13,30 @@ from .trainers import maxtext
 
 TERMINAL_EVENTS = {"run.finished": RunState.FINISHED, "run.gave_up": RunState.GAVE_UP,
                    "run.interrupted": RunState.INTERRUPTED}
+SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED",
+                "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT")
 
 
-def run_state(run: RunDir, events: list[dict]) -> tuple[RunState, str]:
+def slurm_info(events: list[dict]) -> dict[str, Any] | None:
+    """The run's Slurm job as its events and squeue see it (None for local runs)."""
+    submitted = [e for e in events if e.get("event") == "job.submitted"]
+    if not submitted:
+        return None
+    from .backends import slurm
+
+    job = submitted[-1]["job_id"]
+    live = slurm.job_state(job)
+    started = [e for e in events if e.get("event") == "job.started" and e.get("job_id") == job]
+    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == "nodes.excluded"), [])
+    return {"job_id": job, "state": live.get("state", "gone (not in the queue)"), "reason": live.get("reason"),
+            "nodes": live.get("nodes") or (started[-1].get("allocation") if started else None),
+            "excluded_nodes": excluded,
+            # SLURM_RESTART_COUNT counts every requeue of the job, Slurm's own (node failure) and rkit's.
+            "requeues": max((e.get("restart_count", 0) for e in started), default=0),
+            "restart_count": started[-1].get("restart_count") if started else None}
+
+
+def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = None) -> tuple[RunState, str]:
     if run.is_locked():
         return RunState.RUNNING, "a supervisor is running this run"
     for e in reversed(events):
@@ -26,6 +47,10 @@ def run_state(run: RunDir, events: list[dict]) -> tuple[RunState, str]:
             break
     if not events:
         return RunState.PENDING, "nothing has happened yet"
+    if slurm and slurm["state"] in SLURM_ACTIVE:
+        return RunState.PENDING if slurm["state"] != "RUNNING" else RunState.RUNNING, \
+            f"Slurm job {slurm['job_id']} is {slurm['state']}" + (f" ({slurm['reason']})" if slurm["reason"]
+                                                                   and slurm["reason"] != "None" else "")
     return RunState.STOPPED, ("the supervisor ended without a final word (killed or machine lost); "
                               "resume with `rkit run RECIPE --resume`")
 
@@ -53,7 +78,8 @@ def status(run: RunDir) -> dict[str, Any]:
     resolved = run.load_resolved()
     stamp = run.load_manifest()
     events = run.events()
-    state, reason = run_state(run, events)
+    slurm = slurm_info(events)
+    state, reason = run_state(run, events, slurm)
     total = int(resolved["trainer"]["steps"])
     processes = resolved["resources"]["nodes"] * resolved["resources"]["processes_per_node"]
     view = metrics.merged(run, rank=0)
@@ -86,6 +112,7 @@ def status(run: RunDir) -> dict[str, Any]:
         "recomputed_steps": sum(1 for s in steps if s["recomputed"]),
         "attempts": attempts(events),
         "injections": [e.get("spec") for e in events if e.get("event") == "inject.fired"],
+        "slurm": slurm,
     }
 
 
@@ -105,6 +132,10 @@ def render_status(s: dict[str, Any]) -> str:
     lines.append(f"time       elapsed {_num(s['elapsed_seconds'])} s" +
                  (f", ETA {_num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
     lines.append(f"config     {s['config_hash']}")
+    if s.get("slurm"):
+        j = s["slurm"]
+        lines.append(f"slurm      job {j['job_id']} {j['state']}, nodes {j['nodes'] or '-'}, excluded "
+                     f"{', '.join(j['excluded_nodes']) or 'none'}, requeues {j['requeues']}")
     if s["injections"]:
         lines.append(f"injected   {', '.join(s['injections'])}")
     lines.append(f"attempts   {len(s['attempts'])}" +
@@ -116,3 +147,39 @@ def render_status(s: dict[str, Any]) -> str:
         detail = f" ({a['detail']})" if a.get("detail") else ""
         lines.append(f"  #{a['attempt']}  {start}: {end}{detail}")
     return "\n".join(lines)
+
+
+def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
+    """`rkit run --wait`: print progress lines until the run reaches a final state and its job left the queue."""
+    last = None
+    while True:
+        s = status(run)
+        line = f"{s['state']}: step {'-' if s['step'] is None else s['step'] + 1}/{s['total_steps']}, " \
+               f"committed {s['last_committed_step']}, attempts {len(s['attempts'])}"
+        if line != last:
+            echo(line)
+            last = line
+        slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
+        if s["state"] in ("finished", "gave up", "interrupted", "stopped") and slurm_done:
+            return RunState(s["state"])
+        time.sleep(poll_seconds)
+
+
+def print_log(run: RunDir, *, rank: int, attempt: int | None, follow: bool, echo) -> None:
+    from .errors import RkitError
+
+    numbers = run.attempt_numbers()
+    if not numbers:
+        raise RkitError(f"{run.path}: no attempts yet.")
+    n = numbers[-1] if attempt is None else attempt
+    path = run.attempt_dir(n) / f"rank-{rank}.log"
+    if not path.exists():
+        raise RkitError(f"{path}: no such log (attempts: {', '.join(map(str, numbers))}; ranks start at 0).")
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        while True:
+            chunk = fh.read()
+            if chunk:
+                echo(chunk.rstrip("\n"))
+            if not follow:
+                return
+            time.sleep(0.5)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -125,9 +128,97 @@ def training_env(recipe: Recipe, image: ImageIdentity | None, host: dict[str, st
 
 def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection],
                on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
-    """`rkit run`: resolve the image (a missing apptainer or image fails here, before anything exists), then run."""
+    """`rkit run`: resolve the image (a missing apptainer or image fails here, before anything exists), then run
+    here (local) or submit the batch job (slurm)."""
     image = resolve_image(recipe.resolved["image"])
+    if recipe.resolved["launcher"] == "slurm":
+        return submit_slurm(recipe, image=image, resume=resume, injections=injections), RunState.PENDING
     return execute(recipe, image=image, resume=resume, injections=injections, on_progress=on_progress)
+
+
+def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
+                 injections: list[Injection]) -> RunDir:
+    """Stamp the run, render the batch script into it and submit it; the job's `rkit supervise` does the rest."""
+    from .backends import slurm
+
+    python = recipe.resolved["slurm"]["python"] or sys.executable
+    with open_run(recipe, resume=resume, injections=injections, image=image) as (run, _lock):
+        live = slurm_job(run)
+        if live and slurm.job_state(live):
+            raise RkitError(f"{run.path}: already submitted as Slurm job {live} "
+                            f"({slurm.job_state(live)['state']}); follow it with `rkit status {run.path}`.")
+        request = slurm.render_batch(run, recipe.resolved, python)
+        job_id = slurm.submit(request)
+        run.emit("job.submitted", job_id=job_id, argv=request.argv, script=str(request.script_path),
+                 injections=[i.as_dict() for i in injections])
+    return run
+
+
+def slurm_job(run: RunDir) -> str | None:
+    """The Slurm job id this run was last submitted as."""
+    ids = [e["job_id"] for e in run.events() if e.get("event") == "job.submitted"]
+    return ids[-1] if ids else None
+
+
+def supervise(run_path: Path) -> RunState:
+    """Inside the batch job: run the attempts as job steps; on a requeue decision, requeue this very job."""
+    from .backends import slurm
+    from .image import ImageIdentity as Identity
+    from .inject import Injection as Inj
+
+    run = RunDir(run_path).require()
+    resolved = run.load_resolved()
+    stamp = run.load_manifest()
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    events = run.events()
+    submitted = [e for e in events if e.get("event") == "job.submitted"]
+    injections = [Inj.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
+    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == "nodes.excluded"), [])
+    image = None
+    if stamp.get("image", {}).get("kind") == "sif":
+        fields = {k: v for k, v in stamp["image"].items() if k != "kind"}
+        image = Identity(**fields)
+    jax_cache = default_jax_cache_dir()
+    Path(jax_cache).mkdir(parents=True, exist_ok=True)
+    res = resolved["resources"]
+    backend = slurm.SlurmStepBackend(
+        nodes_per_step=res["nodes"], tasks_per_node=res["processes_per_node"],
+        container_launch=resolved["slurm"]["container_launch"], sif=image.path if image else None,
+        binds=(str(run.path.resolve()), jax_cache), gpu_flags=tuple(image.gpu_flags) if image else (),
+        python=sys.executable, exclude=tuple(excluded))
+    lock = _acquire_with_patience(run)
+    try:
+        run.emit("job.started", job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                 batch_host=manifest.socket.gethostname(), allocation=backend.allocation(), excluded=excluded)
+        recipe = Recipe(source=str(run.resolved), text="", resolved=resolved)
+        supervisor = Supervisor(run=run, resolved=resolved, injections=injections, backend=backend,
+                                base_env=training_env(recipe, image, dict(os.environ)), host_env=dict(os.environ),
+                                image=image, jax_cache_dir=jax_cache)
+        supervisor.install_signal_handlers()
+        signal.signal(signal.SIGUSR1, supervisor.request_preempt)
+        state = supervisor.run_to_end()
+        if state is RunState.REQUEUED and job_id:
+            if backend.exclude:
+                subprocess.run(["scontrol", "update", f"jobid={job_id}", f"ExcNodeList={','.join(backend.exclude)}"],
+                               capture_output=True, check=False)
+            run.emit("job.requeued", job_id=job_id, excluded=list(backend.exclude))
+            lock.release()
+            slurm.requeue(job_id)
+        return state
+    finally:
+        lock.release()
+
+
+def _acquire_with_patience(run: RunDir, seconds: float = 60) -> RunLock:
+    """After a node crash the previous supervisor may take a moment to be gone; then the lock is free."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return run.lock().acquire()
+        except RkitError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def reproduce(source: Path, *, name: str | None, allow_drift: bool,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .backends.local import LocalBackend, RankExit
+from .backends.slurm import NotEnoughNodes
 from .errors import RkitError
 from .image import ImageIdentity
 from .inject import Injection, pending
@@ -29,6 +30,7 @@ class RunState(enum.Enum):
     FINISHED = "finished"
     GAVE_UP = "gave up"
     INTERRUPTED = "interrupted"
+    REQUEUED = "requeued"  # the batch job goes back to the queue and the run continues when it restarts
     STOPPED = "stopped"  # the supervisor went away without saying why (killed, machine lost)
 
     def is_terminal(self) -> bool:
@@ -42,25 +44,26 @@ class Cause(enum.Enum):
     TASK_EXIT = "task_exit"          # a rank exited non-zero
     TASK_SIGNAL = "task_signal"      # a rank was killed by a signal
     PREEMPTED = "preempted"          # we asked for a save (SIGTERM) on a preemption / time-limit signal
+    NODE_FAIL = "node_fail"          # a node of the step died (Slurm's view of the step)
     INCOMPLETE = "incomplete"        # every rank exited 0 but the final step is not committed
     INTERRUPTED = "interrupted"      # the user stopped the run (Ctrl-C)
     LAUNCH_ERROR = "launch_error"    # the processes could not be started
 
     @property
     def infrastructure(self) -> bool:
-        return self is Cause.PREEMPTED
+        return self in (Cause.PREEMPTED, Cause.NODE_FAIL)
 
 
 @dataclass(frozen=True)
 class Budgets:
     max_restarts: int
-    max_preemptions: int
+    max_infra_restarts: int
     crash_loop_limit: int
 
     @classmethod
     def from_resolved(cls, resolved: dict) -> Budgets:
         r = resolved["resilience"]
-        return cls(r["max_restarts"], r["max_preemptions"], r["crash_loop_limit"])
+        return cls(r["max_restarts"], r["max_infra_restarts"], r["crash_loop_limit"])
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class Outcome:
     committed_before: int | None
     committed_after: int | None
     detail: str = ""
+    requeue: bool = False  # the allocation cannot go on: a time-limit/preemption signal, or too few healthy nodes
 
     @property
     def progressed(self) -> bool:
@@ -81,13 +85,14 @@ class Tally:
     """What earlier attempts used of the budgets."""
 
     training_failures: int = 0
-    preemptions: int = 0
+    infra_failures: int = 0  # node failures, preemptions, requeues
     stalled: int = 0  # consecutive failed attempts without a new committed checkpoint
     stalled_details: tuple[str, ...] = ()
 
 
 class Action(enum.Enum):
     RESTART = "restart"
+    REQUEUE = "requeue"
     FINISH = "finish"
     GIVE_UP = "give_up"
     STOP = "stop"
@@ -108,11 +113,14 @@ def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bo
     if outcome.cause is Cause.LAUNCH_ERROR:
         return Decision(Action.GIVE_UP, f"the processes could not be started: {outcome.detail}"), tally
     if outcome.cause.infrastructure:
-        tally = replace(tally, preemptions=tally.preemptions + 1, stalled=0, stalled_details=())
-        if tally.preemptions > budgets.max_preemptions:
-            return Decision(Action.GIVE_UP, f"preemption budget exhausted ({budgets.max_preemptions} "
-                                            "allowed: resilience.max_preemptions)"), tally
-        return Decision(Action.RESTART, f"preempted ({outcome.detail}); resuming from the last checkpoint"), tally
+        tally = replace(tally, infra_failures=tally.infra_failures + 1, stalled=0, stalled_details=())
+        if tally.infra_failures > budgets.max_infra_restarts:
+            return Decision(Action.GIVE_UP, f"infrastructure budget exhausted ({budgets.max_infra_restarts} "
+                                            f"allowed: resilience.max_infra_restarts); last: {outcome.detail}"), tally
+        if outcome.requeue:
+            return Decision(Action.REQUEUE, f"{outcome.detail}; requeueing the job, it resumes from the last "
+                                            "checkpoint"), tally
+        return Decision(Action.RESTART, f"{outcome.detail}; resuming from the last checkpoint"), tally
     stalled = 0 if outcome.progressed else tally.stalled + 1
     details = () if outcome.progressed else tally.stalled_details + (outcome.detail,)
     tally = replace(tally, training_failures=tally.training_failures + 1, stalled=stalled, stalled_details=details)
@@ -136,7 +144,7 @@ def tally_from_events(events: list[dict]) -> Tally:
     for e in events:
         if e.get("event") == "attempt.ended" and "tally" in e:
             t = e["tally"]
-            tally = Tally(t["training_failures"], t["preemptions"], t["stalled"], tuple(t["stalled_details"]))
+            tally = Tally(t["training_failures"], t["infra_failures"], t["stalled"], tuple(t["stalled_details"]))
     return tally
 
 
@@ -166,11 +174,19 @@ class Supervisor:
     poll_seconds: float = 0.1
     clock: Callable[[], float] = time.monotonic
     _interrupted: bool = field(default=False, init=False)
+    _preempt: str | None = field(default=None, init=False)
 
     # ------------------------------------------------------------ signals
 
     def request_stop(self, signum: int = signal.SIGINT, frame: object = None) -> None:
         self._interrupted = True
+
+    def request_preempt(self, signum: int = signal.SIGUSR1, frame: object = None) -> None:
+        """Time limit or preemption (Slurm's --signal=B:USR1@lead): save, stop, requeue."""
+        self._preempt = signal.Signals(signum).name
+
+    def excluded(self) -> list[str]:
+        return list(getattr(self.backend, "exclude", []))
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self.request_stop)
@@ -208,7 +224,7 @@ class Supervisor:
             self.run.emit("attempt.ended", attempt=progress.attempt, cause=outcome.cause.value,
                           detail=outcome.detail, committed_step=outcome.committed_after,
                           decision=decision.action.value, reason=decision.reason,
-                          tally={"training_failures": tally.training_failures, "preemptions": tally.preemptions,
+                          tally={"training_failures": tally.training_failures, "infra_failures": tally.infra_failures,
                                  "stalled": tally.stalled, "stalled_details": list(tally.stalled_details)})
             if decision.action is Action.FINISH:
                 self.run.emit("run.finished", reason=decision.reason, committed_step=outcome.committed_after)
@@ -219,6 +235,10 @@ class Supervisor:
             if decision.action is Action.STOP:
                 self.run.emit("run.interrupted", reason=decision.reason, committed_step=outcome.committed_after)
                 return RunState.INTERRUPTED
+            if decision.action is Action.REQUEUE:
+                self.run.emit("job.requeue_requested", reason=decision.reason,
+                              committed_step=outcome.committed_after, excluded=list(self.excluded()))
+                return RunState.REQUEUED
 
     def check_image(self) -> None:
         """The SIF must be the one the run was stamped with: never silently run different software."""
@@ -253,17 +273,20 @@ class Supervisor:
         env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
                     "RKIT_BASE_CONFIG": self.resolved["trainer"]["base_config"],
                     "RKIT_INJECT": _json([i.as_dict() for i in in_trainer])})
-        args = [maxtext.maxtext_overrides(self.resolved, self.run, rank, self.jax_cache_dir)
-                for rank in range(self.processes)]
-        request = self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args,
-                                       base_env=env, attempt_dir=attempt_dir, cwd=Path.cwd(),
-                                       host_env=self.host_env)
+        args = maxtext.maxtext_overrides(self.resolved, self.run, self.jax_cache_dir)
+        try:
+            request = self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args,
+                                           base_env=env, attempt_dir=attempt_dir, cwd=Path.cwd(),
+                                           host_env=self.host_env)
+        except NotEnoughNodes as exc:
+            self.run.emit("attempt.no_nodes", attempt=attempt, healthy=exc.healthy, excluded=exc.excluded)
+            return Outcome(Cause.NODE_FAIL, committed_before, committed_before, str(exc), requeue=True)
         started = time.time()
         info = {"attempt": attempt, "started": started, "backend": self.backend.name,
+                "excluded_nodes": self.excluded(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                 "image": None if self.image is None else {"path": self.image.path, "sha256": self.image.sha256},
                 "resume_from_step": committed_before, "injections": [i.spec for i in injections],
-                "ranks": [{"rank": r.rank, "argv": r.argv, "log": str(r.log.relative_to(self.run.path))}
-                          for r in request.ranks]}
+                "launch": _describe_request(request, self.run)}
         try:
             handle = self.backend.submit(request)
         except OSError as exc:
@@ -275,6 +298,7 @@ class Supervisor:
                       nodes=info["nodes"], processes=self.processes, injections=info["injections"])
 
         first_step_seen = False
+        requeue = False
         cause: Cause | None = None
         detail = ""
         preempt_deadline: float | None = None
@@ -300,6 +324,14 @@ class Supervisor:
                               grace_seconds=self._grace)
                 self.backend.stop(handle, grace=self._grace)
                 break
+            if self._preempt and cause is None:
+                cause = Cause.PREEMPTED
+                detail = f"{self._preempt} at step {_fmt(progress.step)} (time limit or preemption)"
+                requeue = True
+                self.run.emit("preempt.requested", attempt=attempt, step=progress.step, signal="SIGTERM",
+                              received=self._preempt, grace_seconds=self._grace, reason="signal from Slurm")
+                self.backend.signal_all(handle, signal.SIGTERM)
+                preempt_deadline = self.clock() + self._grace
             if (sigterm_at is not None and cause is None and progress.step is not None
                     and progress.step >= sigterm_at.step):
                 cause, detail = Cause.PREEMPTED, f"SIGTERM at step {progress.step} (injected {sigterm_at.spec})"
@@ -312,11 +344,18 @@ class Supervisor:
             if failed and cause is None:
                 first = failed[0]
                 last = tails[first.rank].last.step if tails[first.rank].last else None
-                cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
-                detail = f"rank {first.rank} {first.describe()} at step {_fmt(last)}"
+                node = first.node or info["nodes"][0]
+                lost = list(getattr(handle, "failed_nodes", []))
+                if lost:
+                    cause = Cause.NODE_FAIL
+                    detail = f"node failure on {', '.join(lost)} (rank {first.rank} lost at step {_fmt(last)})"
+                    requeue = self._exclude(lost)
+                else:
+                    cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
+                    detail = f"rank {first.rank} {first.describe()} at step {_fmt(last)}"
                 self.run.emit("attempt.failed", attempt=attempt, cls=cause.value, rank=first.rank,
                               exit_code=first.returncode if first.returncode >= 0 else None,
-                              signal=first.signal_name, last_step=last, node=info["nodes"][0])
+                              signal=first.signal_name, last_step=last, node=node, lost_nodes=lost)
                 # One rank is gone: its peers would hang in a collective; end the attempt now.
                 self.backend.stop(handle, grace=0)
                 break
@@ -341,7 +380,19 @@ class Supervisor:
                      "committed_step": committed_after,
                      "exits": {str(r): _exit_info(e) for r, e in sorted(handle.exits.items())}})
         write_json_atomic(attempt_dir / "attempt.json", info)
-        return Outcome(cause, committed_before, committed_after, detail)
+        return Outcome(cause, committed_before, committed_after, detail, requeue=requeue)
+
+    def _exclude(self, nodes: list[str]) -> bool:
+        """Keep failed nodes out of the next step; True when too few healthy nodes are left (requeue)."""
+        exclude = getattr(self.backend, "exclude", None)
+        if exclude is None:
+            return False
+        exclude.extend(n for n in nodes if n not in exclude)
+        healthy = self.backend.healthy_nodes()
+        needed = self.resolved["resources"]["nodes"]
+        self.run.emit("nodes.excluded", nodes=nodes, excluded=list(exclude), healthy=healthy,
+                      reason="implicated in a node failure")
+        return len(healthy) < needed
 
     @property
     def _grace(self) -> float:
@@ -349,7 +400,14 @@ class Supervisor:
 
 
 def _exit_info(e: RankExit) -> dict:
-    return {"exit_code": e.returncode if e.returncode >= 0 else None, "signal": e.signal_name}
+    return {"exit_code": e.returncode if e.returncode >= 0 else None, "signal": e.signal_name, "node": e.node}
+
+
+def _describe_request(request: object, run: RunDir) -> dict:
+    ranks = getattr(request, "ranks", None)
+    if ranks is not None:
+        return {"ranks": [{"rank": r.rank, "argv": r.argv, "log": str(r.log.relative_to(run.path))} for r in ranks]}
+    return {"argv": request.argv, "nodes": request.nodes, "log": str(request.log.relative_to(run.path))}
 
 
 def _fmt(step: int | None) -> str:

@@ -110,7 +110,7 @@ def test_run_inside_the_image_survives_a_kill(image_run: RunDir, image_workspace
             assert env["python"]["executable"] == "/opt/venv/bin/python"  # the image's Python, not the host's
             assert env["packages"] == image_packages and "pytest" not in env["packages"]
             assert env["jax"]["process_count"] == 2
-    argv = json.loads((image_run.attempt_dir(1) / "attempt.json").read_text())["ranks"][0]["argv"]
+    argv = json.loads((image_run.attempt_dir(1) / "attempt.json").read_text())["launch"]["ranks"][0]["argv"]
     assert argv[1:3] == ["exec", "--cleanenv"] and str(sif.resolve()) in argv
 
 

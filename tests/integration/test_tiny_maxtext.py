@@ -121,7 +121,7 @@ def test_sigterm_takes_the_preemption_path(workspace: Path, baseline: RunDir):
     assert len(requested) == 1 and requested[0]["signal"] == "SIGTERM" and requested[0]["step"] >= 15
     ended = events(run, "attempt.ended")
     assert ended[0]["cause"] == "preempted" and ended[0]["decision"] == "restart"
-    assert ended[0]["tally"]["preemptions"] == 1 and ended[0]["tally"]["training_failures"] == 0
+    assert ended[0]["tally"]["infra_failures"] == 1 and ended[0]["tally"]["training_failures"] == 0
     started = events(run, "attempt.started")
     assert started[1]["resume_from_step"] == ended[0]["committed_step"] is not None
     assert final_loss(run) == final_loss(baseline)

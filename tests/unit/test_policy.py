@@ -8,7 +8,7 @@ import pytest
 
 from rkit.supervisor import Action, Budgets, Cause, Outcome, RunState, Tally, decide, tally_from_events
 
-BUDGETS = Budgets(max_restarts=3, max_preemptions=2, crash_loop_limit=3)
+BUDGETS = Budgets(max_restarts=3, max_infra_restarts=2, crash_loop_limit=3)
 
 
 def test_final_step_committed_always_finishes():
@@ -35,7 +35,7 @@ def test_training_failures_with_progress_restart_until_budget():
 
 def test_crash_loop_is_diagnosed_when_no_checkpoint_progress():
     tally = Tally()
-    budgets = Budgets(max_restarts=10, max_preemptions=2, crash_loop_limit=3)
+    budgets = Budgets(max_restarts=10, max_infra_restarts=2, crash_loop_limit=3)
     detail = "rank 0 exited with code 3 at step 7"
     decisions = []
     for _ in range(3):
@@ -47,7 +47,7 @@ def test_crash_loop_is_diagnosed_when_no_checkpoint_progress():
 
 
 def test_progress_resets_the_crash_loop_count():
-    budgets = Budgets(max_restarts=10, max_preemptions=2, crash_loop_limit=2)
+    budgets = Budgets(max_restarts=10, max_infra_restarts=2, crash_loop_limit=2)
     tally = Tally()
     for before, after in [(5, 5), (5, 10), (10, 10)]:
         decision, tally = decide(tally, Outcome(Cause.TASK_SIGNAL, before, after, "killed"), budgets, False)
@@ -56,12 +56,12 @@ def test_progress_resets_the_crash_loop_count():
     assert decision.action is Action.GIVE_UP
 
 
-def test_preemptions_have_their_own_budget():
+def test_infrastructure_failures_have_their_own_budget():
     tally = Tally(training_failures=3)
     for expected in [Action.RESTART, Action.RESTART, Action.GIVE_UP]:
         decision, tally = decide(tally, Outcome(Cause.PREEMPTED, 5, 5, "SIGTERM"), BUDGETS, False)
         assert decision.action is expected
-    assert "preemption budget" in decision.reason and tally.training_failures == 3
+    assert "infrastructure budget" in decision.reason and tally.training_failures == 3
 
 
 def test_exhaustive_small_space_is_well_formed():
@@ -72,11 +72,11 @@ def test_exhaustive_small_space_is_well_formed():
             decision, new = decide(tally, Outcome(cause, before, after, "d"), BUDGETS, final)
             assert decision.reason
             assert new.training_failures >= tally.training_failures
-            assert new.preemptions >= tally.preemptions
+            assert new.infra_failures >= tally.infra_failures
 
 
 def test_tally_is_replayed_from_events():
-    events = [{"event": "attempt.ended", "tally": {"training_failures": 2, "preemptions": 1, "stalled": 1,
+    events = [{"event": "attempt.ended", "tally": {"training_failures": 2, "infra_failures": 1, "stalled": 1,
                                                    "stalled_details": ["x"]}}]
     assert tally_from_events(events) == Tally(2, 1, 1, ("x",))
 

@@ -38,6 +38,7 @@ class LaunchRequest:
 class RankExit:
     rank: int
     returncode: int  # negative: killed by that signal (subprocess convention)
+    node: str | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -96,7 +97,7 @@ class LocalBackend:
         self.python = python or sys.executable
         self.container = container
 
-    def prepare(self, *, attempt: int, processes: int, trainer_args: list[list[str]], base_env: dict[str, str],
+    def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,
                 host_env: dict[str, str] | None = None) -> LaunchRequest:
         """`base_env` is what the training process sees; `host_env` what a container runtime needs."""
@@ -106,7 +107,7 @@ class LocalBackend:
             env = dict(base_env)
             env.update({"RKIT_RANK": str(rank), "RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator,
                         "PYTHONUNBUFFERED": "1"})
-            argv = ["-m", "rkit.agent", *trainer_args[rank]]
+            argv = ["-m", "rkit.agent", *trainer_args]
             if self.container:
                 argv, env = self.container.wrap(argv), Container.wrap_env(host_env or {}, env)
             else:

@@ -26,8 +26,9 @@ def _render(value: Any) -> str:
     return str(value)
 
 
-def maxtext_overrides(resolved: dict, run: RunDir, rank: int, jax_cache_dir: str) -> list[str]:
-    """MaxText key=value arguments: the recipe's overrides, then the settings rkit owns."""
+def maxtext_overrides(resolved: dict, run: RunDir, jax_cache_dir: str) -> list[str]:
+    """MaxText key=value arguments, the same for every rank: the recipe's overrides, then the settings rkit
+    owns. Each rank's agent adds its own `metrics_file` (see `rank_overrides`)."""
     trainer = resolved["trainer"]
     ckpt = resolved["checkpoint"]
     args = [f"{k}={_render(v)}" for k, v in sorted(trainer.get("overrides", {}).items()) if v is not None]
@@ -35,7 +36,6 @@ def maxtext_overrides(resolved: dict, run: RunDir, rank: int, jax_cache_dir: str
         "steps": trainer["steps"],
         "base_output_directory": str(run.maxtext_base.resolve()),
         "run_name": run.maxtext_run_name,
-        "metrics_file": str(run.metrics_file(rank).resolve()),
         "enable_checkpointing": True,
         "checkpoint_period": ckpt["period"],
         "async_checkpointing": ckpt["async"],
@@ -47,6 +47,11 @@ def maxtext_overrides(resolved: dict, run: RunDir, rank: int, jax_cache_dir: str
         owned["skip_jax_distributed_system"] = True
     args.extend(f"{k}={_render(v)}" for k, v in owned.items())
     return args
+
+
+def rank_overrides(run: RunDir, rank: int) -> list[str]:
+    """The per-process part: one metrics file per rank (two ranks writing one file lose lines)."""
+    return [f"metrics_file={run.metrics_file(rank).resolve()}"]
 
 
 def final_step(resolved: dict) -> int:

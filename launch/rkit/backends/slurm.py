@@ -1,0 +1,330 @@
+"""Slurm backend: the batch job (rendered, submitted with sbatch) and each attempt as a job step (srun).
+
+Rendering is pure: `render_batch` returns the sbatch argv and the batch script text, a printable object.
+Recipe values travel as single argv items (never through a shell); the script itself only quotes paths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import RkitError
+from ..rundir import RunDir
+from .local import RankExit
+
+BATCH_SCRIPT = "job.sbatch"
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    argv: list[str]
+    script: str
+    script_path: Path
+
+    def describe(self) -> str:
+        return shlex.join(self.argv)
+
+
+def sbatch_options(resolved: dict) -> list[str]:
+    """Every option from the recipe, one argv item each."""
+    slurm = resolved["slurm"]
+    res = resolved["resources"]
+    opts = ["--parsable", "--requeue", f"--signal=B:USR1@{slurm['signal_lead_seconds']}",
+            f"--job-name={resolved['name']}", f"--nodes={res['nodes'] + slurm['spare_nodes']}",
+            f"--ntasks-per-node={res['processes_per_node']}"]
+    for key, flag in (("partition", "--partition"), ("account", "--account"), ("qos", "--qos"), ("time", "--time")):
+        if slurm.get(key) is not None:
+            opts.append(f"{flag}={slurm[key]}")
+    if slurm["gpus_per_node"]:
+        opts.append(f"--gpus-per-node={slurm['gpus_per_node']}")
+    if slurm["exclusive"]:
+        opts.append("--exclusive")
+    if slurm["spare_nodes"]:
+        # A dead node must not end the job when a spare can replace it: the supervisor excludes it instead.
+        opts.append("--no-kill")
+    opts.extend(slurm["extra_sbatch"])
+    return opts
+
+
+def render_batch(run: RunDir, resolved: dict, python: str, sbatch: str = "sbatch") -> BatchRequest:
+    """The batch script runs `rkit supervise RUN` with the given Python; everything else is sbatch argv."""
+    run_path = run.path.resolve()
+    log = run_path / "slurm-%j.out"
+    argv = [sbatch, *sbatch_options(resolved), "--open-mode=append", f"--output={log}", f"--chdir={run_path}",
+            str(run_path / BATCH_SCRIPT)]
+    script = "\n".join([
+        "#!/bin/bash",
+        "# Rendered by rkit; submitted as (one argv item per line, never through a shell):",
+        *[f"#   {_visible(item)}" for item in argv],
+        "# The supervisor runs every attempt as a job step, resumes from the last committed checkpoint,",
+        "# and requeues the job on a time-limit/preemption signal (USR1) or when a node must be avoided.",
+        f"exec {shlex.quote(python)} -m rkit.cli supervise {shlex.quote(str(run_path))}",
+        "",
+    ])
+    return BatchRequest(argv=argv, script=script, script_path=run_path / BATCH_SCRIPT)
+
+
+def _visible(text: str) -> str:
+    # A comment line that held a newline would end the comment: show control characters escaped.
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def submit(request: BatchRequest) -> str:
+    request.script_path.write_text(request.script, encoding="utf-8")
+    request.script_path.chmod(0o755)
+    try:
+        done = subprocess.run(request.argv, capture_output=True, text=True, timeout=120, check=False)
+    except FileNotFoundError:
+        raise RkitError(f"{request.argv[0]}: not found; launcher: slurm needs Slurm's client commands on PATH "
+                        "(for the test bed: eval \"$(ci/slurm-testbed.sh env)\").") from None
+    if done.returncode != 0:
+        raise RkitError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
+    job_id = done.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise RkitError(f"sbatch printed no job id: {done.stdout!r}")
+    return job_id
+
+
+# ---------------------------------------------------------------- queries
+
+
+def _run(argv: list[str], timeout: float = 30) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def hostnames(nodelist: str) -> list[str]:
+    out = _run(["scontrol", "show", "hostnames", nodelist])
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def node_address(node: str) -> str:
+    out = _run(["scontrol", "show", "node", node])
+    match = re.search(r"NodeAddr=(\S+)", out)
+    return match.group(1) if match else node
+
+
+def job_state(job_id: str) -> dict[str, str]:
+    """State, reason, nodes and restart count of a job as squeue sees it; {} when it left the queue."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%N|%D"])
+    if not out.strip():
+        return {}
+    state, reason, nodes, count = (out.strip().splitlines()[0].split("|") + ["", "", "", ""])[:4]
+    return {"state": state, "reason": reason, "nodes": nodes, "node_count": count}
+
+
+def requeue(job_id: str) -> bool:
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
+    return done.returncode == 0
+
+
+def cancel(job_id: str) -> bool:
+    done = subprocess.run(["scancel", job_id], capture_output=True, text=True, check=False)
+    return done.returncode == 0
+
+
+# ---------------------------------------------------------------- job steps
+
+
+SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    attempt: int
+    argv: list[str]
+    env: dict[str, str]
+    nodes: list[str]
+    log: Path
+    cwd: Path
+
+    def describe(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass
+class StepHandle:
+    request: StepRequest
+    proc: subprocess.Popen
+    exits: dict[int, RankExit] = field(default_factory=dict)
+    failed_nodes: list[str] = field(default_factory=list)
+
+
+def step_port(job_id: str, attempt: int) -> int:
+    """A port for jax.distributed's coordinator, different for every attempt of every job."""
+    return 20000 + zlib.crc32(f"{job_id}:{attempt}".encode()) % 20000
+
+
+class SlurmStepBackend:
+    """Attempts as `srun` steps inside the batch job's allocation. Same interface as LocalBackend."""
+
+    name = "slurm"
+
+    def __init__(self, *, nodes_per_step: int, tasks_per_node: int, container_launch: str = "apptainer",
+                 sif: str | None = None, binds: tuple[str, ...] = (), gpu_flags: tuple[str, ...] = (),
+                 python: str | None = None, exclude: tuple[str, ...] = ()):
+        self.nodes_per_step = nodes_per_step
+        self.tasks_per_node = tasks_per_node
+        self.container_launch = container_launch
+        self.sif = sif
+        self.binds = binds
+        self.gpu_flags = gpu_flags
+        self.python = python or os.environ.get("RKIT_PYTHON") or "python3"
+        self.exclude = list(exclude)
+
+    def allocation(self) -> list[str]:
+        return hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]
+
+    def healthy_nodes(self) -> list[str]:
+        return [n for n in self.allocation() if n not in self.exclude]
+
+    def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
+                attempt_dir: Path, cwd: Path, port: int | None = None,
+                host_env: dict[str, str] | None = None) -> StepRequest:
+        healthy = self.healthy_nodes()
+        if len(healthy) < self.nodes_per_step:
+            raise NotEnoughNodes(healthy, self.exclude)
+        nodes = healthy[: self.nodes_per_step]
+        job_id = os.environ.get("SLURM_JOB_ID", "0")
+        coordinator = f"{node_address(nodes[0])}:{port or step_port(job_id, attempt)}"
+        env = dict(host_env or os.environ)
+        env.update(base_env)
+        env.update({"RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1"})
+        env.pop("RKIT_RANK", None)  # each task's rank is its SLURM_PROCID
+        srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={processes}",
+                f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
+                f"--output={attempt_dir}/rank-%t.log", "--export=ALL", f"--job-name=attempt-{attempt}"]
+        agent = ["-m", "rkit.agent", *trainer_args]
+        if self.sif is None:
+            argv = [*srun, self.python, *agent]
+        elif self.container_launch == "oci":
+            argv = [*srun, f"--container={self.sif}", "/opt/venv/bin/python", *agent]
+        else:
+            binds = [arg for path in self.binds for arg in ("--bind", path)]
+            argv = [*srun, "apptainer", "exec", "--cleanenv", *self.gpu_flags, *binds, self.sif,
+                    "/opt/venv/bin/python", *agent]
+            # --cleanenv: the variables the training needs go in as APPTAINERENV_*; SLURM_* are passed too.
+            env.update({f"APPTAINERENV_{k}": v for k, v in base_env.items()})
+            env.update({"APPTAINERENV_RKIT_NPROCS": str(processes), "APPTAINERENV_RKIT_COORDINATOR": coordinator,
+                        "APPTAINERENV_PYTHONUNBUFFERED": "1"})
+        return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes, log=attempt_dir / "srun.log", cwd=cwd)
+
+    def submit(self, request: StepRequest) -> StepHandle:
+        request.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(request.log, "ab") as log:
+            proc = subprocess.Popen(request.argv, env=request.env, cwd=request.cwd, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return StepHandle(request=request, proc=proc)
+
+    def poll(self, handle: StepHandle) -> dict[int, RankExit]:
+        """srun ends when the step ends; its log says which task failed and how (Slurm's view of the step)."""
+        code = handle.proc.poll()
+        if code is None or handle.exits:
+            return handle.exits
+        handle.exits.update(self._classify(handle, code))
+        return handle.exits
+
+    def _classify(self, handle: StepHandle, code: int) -> dict[int, RankExit]:
+        text = handle.request.log.read_text(encoding="utf-8", errors="replace") if handle.request.log.exists() else ""
+        exits: dict[int, RankExit] = {}
+        for node, tasks, what in SRUN_TASK_EXIT.findall(text):
+            for rank in _ranks(tasks):
+                m = re.search(r"exit code (\d+)", what)
+                sig = re.search(r"Killed|Terminated|[Ss]egmentation|Aborted|signal (\d+)", what)
+                if m:
+                    exits.setdefault(rank, RankExit(rank, int(m.group(1)), node))
+                elif sig:
+                    exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node))
+        for match in SRUN_NODE_FAIL.finditer(text):
+            node = match.group(1) or match.group(2)
+            if node and node not in handle.failed_nodes:
+                handle.failed_nodes.append(node)
+        processes = int(handle.request.env.get("RKIT_NPROCS", "1"))
+        fallback = code if code >= 0 else code
+        for rank in range(processes):
+            exits.setdefault(rank, RankExit(rank, 0 if code == 0 else (fallback if not exits else -signal.SIGKILL)))
+        return exits
+
+    def running(self, handle: StepHandle) -> list[int]:
+        return [] if handle.proc.poll() is not None else list(range(int(handle.request.env["RKIT_NPROCS"])))
+
+    def signal_all(self, handle: StepHandle, sig: int) -> None:
+        """Signal every task of the step (scancel --signal reaches the tasks on their nodes)."""
+        if handle.proc.poll() is not None:
+            return
+        job_id = os.environ.get("SLURM_JOB_ID")
+        step = self._step_id(handle)
+        if job_id and step is not None:
+            subprocess.run(["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}",
+                            f"{job_id}.{step}"], capture_output=True, check=False)
+        else:
+            try:
+                os.killpg(handle.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _step_id(self, handle: StepHandle) -> str | None:
+        job_id = os.environ.get("SLURM_JOB_ID")
+        if not job_id:
+            return None
+        out = _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"])
+        for line in out.splitlines():
+            step, _, name = line.partition("|")
+            if name.strip() == f"attempt-{handle.request.attempt}":
+                return step.split(".")[-1]
+        return None
+
+    def stop(self, handle: StepHandle, grace: float, sig: int = signal.SIGTERM) -> None:
+        if grace > 0:
+            self.signal_all(handle, sig)
+            deadline = time.monotonic() + grace
+            while handle.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if handle.proc.poll() is None:
+            self.signal_all(handle, signal.SIGKILL)
+            try:
+                handle.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(handle.proc.pid, signal.SIGKILL)
+                handle.proc.wait()
+        self.poll(handle)
+
+    def nodes(self, handle: StepHandle) -> list[str]:
+        return list(handle.request.nodes)
+
+
+class NotEnoughNodes(Exception):
+    def __init__(self, healthy: list[str], excluded: list[str]):
+        self.healthy, self.excluded = healthy, excluded
+        super().__init__(f"{len(healthy)} healthy node(s) left in the allocation (excluded: {', '.join(excluded)})")
+
+
+def _ranks(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+    return out
+
+
+def _signal_of(text: str) -> int:
+    if text.startswith("signal"):
+        return int(text.split()[-1])
+    return {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM, "Aborted": signal.SIGABRT}.get(
+        text, signal.SIGSEGV)

@@ -1,0 +1,102 @@
+"""Batch-script rendering is a pure function: golden files a reviewer can read, every recipe option, and
+hostile values that arrive unchanged (as single argv items) or are rejected, never executed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rkit.backends.slurm import SRUN_TASK_EXIT, _ranks, render_batch, sbatch_options, step_port
+from rkit.errors import RecipeError
+from rkit.recipe import load_recipe, parse_recipe
+from rkit.rundir import RunDir
+
+from ..conftest import REPO
+
+GOLDEN = REPO / "tests" / "golden"
+RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
+HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "x;touch PWNED", "$HOME", "a\\b"]
+
+
+def render(run_path: Path, *overrides: str):
+    recipe = load_recipe(RECIPE, list(overrides))
+    return render_batch(RunDir(run_path), recipe.resolved, python="/opt/py/bin/python3")
+
+
+def test_golden_batch_script_and_argv():
+    request = render(Path("/runs/tiny-slurm"))
+    golden_script = GOLDEN / "tiny-slurm.sbatch"
+    golden_argv = GOLDEN / "tiny-slurm.argv"
+    if os.environ.get("RKIT_UPDATE_GOLDEN"):
+        golden_script.write_text(request.script)
+        golden_argv.write_text("\n".join(request.argv) + "\n")
+    assert request.script == golden_script.read_text()
+    assert request.argv == golden_argv.read_text().splitlines()
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], ["--parsable", "--requeue", "--signal=B:USR1@60", "--job-name=tiny-slurm", "--nodes=3",
+          "--ntasks-per-node=1", "--partition=debug", "--time=00:30:00", "--no-kill"]),
+    (["slurm.account=proj", "slurm.qos=high", "slurm.gpus_per_node=8", "slurm.exclusive=true",
+      "slurm.spare_nodes=0", "resources.processes_per_node=8", "slurm.signal_lead_seconds=300"],
+     ["--parsable", "--requeue", "--signal=B:USR1@300", "--job-name=tiny-slurm", "--nodes=2",
+      "--ntasks-per-node=8", "--partition=debug", "--account=proj", "--qos=high", "--time=00:30:00",
+      "--gpus-per-node=8", "--exclusive"]),
+    (["slurm.partition=null", "slurm.time=null"],
+     ["--parsable", "--requeue", "--signal=B:USR1@60", "--job-name=tiny-slurm", "--nodes=3",
+      "--ntasks-per-node=1", "--no-kill"]),
+])
+def test_every_option_maps_to_one_argv_item(overrides, expected):
+    assert sbatch_options(load_recipe(RECIPE, overrides).resolved) == expected
+
+
+def test_extra_sbatch_options_are_validated():
+    recipe = load_recipe(RECIPE)
+    recipe.resolved["slurm"]["extra_sbatch"] = ["--mail-type=END", "--constraint=mi300x&ib"]
+    assert sbatch_options(recipe.resolved)[-2:] == ["--mail-type=END", "--constraint=mi300x&ib"]
+    text = RECIPE.read_text().replace("  container_launch: oci", "  container_launch: oci\n  extra_sbatch: "
+                                      "['--requeue', 'rm -rf /', \"--x=a\\nb\", '--wrap=id']")
+    with pytest.raises(RecipeError) as err:
+        parse_recipe("hostile.yaml", text)
+    paths = {p.path for p in err.value.problems}
+    assert {"slurm.extra_sbatch[0]", "slurm.extra_sbatch[1]", "slurm.extra_sbatch[2]", "slurm.extra_sbatch[3]"} <= paths
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_values_arrive_unchanged_as_single_argv_items(value):
+    request = render(Path("/runs/x"), f"slurm.partition={value}", f"slurm.account={value}")
+    assert f"--partition={value}" in request.argv and f"--account={value}" in request.argv
+
+
+@pytest.mark.parametrize("escaped", ["a\\nb", "a\\rb", "a\\x1bb", "a\\tb"])
+def test_control_characters_are_rejected(escaped):
+    text = RECIPE.read_text().replace("partition: debug", f'partition: "{escaped}"')
+    with pytest.raises(RecipeError) as err:
+        parse_recipe("hostile.yaml", text)
+    assert [p.path for p in err.value.problems] == ["slurm.partition"]
+
+
+@pytest.mark.parametrize("name", ["dir with spaces", "it's", "$(touch PWNED)", "`touch PWNED`", "new\nline", "a;b"])
+def test_hostile_run_paths_are_quoted_never_executed(tmp_path: Path, name: str):
+    """Run the rendered script with /bin/echo as the Python: it must print the path verbatim, run nothing."""
+    run_path = tmp_path / name / "runs" / "x"
+    recipe = load_recipe(RECIPE)
+    request = render_batch(RunDir(run_path), recipe.resolved, python="/bin/echo")
+    script = tmp_path / "job.sbatch"
+    script.write_text(request.script)
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert done.stdout == f"-m rkit.cli supervise {run_path.resolve()}\n"
+    assert not (tmp_path / "PWNED").exists()
+    assert request.argv[-1] == str(run_path.resolve() / "job.sbatch")
+    assert all("\n" not in line for line in request.script.splitlines())  # a comment cannot end early
+
+
+def test_srun_error_lines_and_ports():
+    line = "srun: error: c2: task 1: Exited with exit code 3"
+    node, tasks, what = SRUN_TASK_EXIT.search(line).groups()
+    assert (node, _ranks(tasks), what) == ("c2", [1], "Exited with exit code 3")
+    assert _ranks("0-2,5") == [0, 1, 2, 5]
+    assert step_port("12", 1) != step_port("12", 2) and 20000 <= step_port("12", 1) < 40000
