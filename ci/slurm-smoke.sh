@@ -36,7 +36,17 @@ wait_until() {  # TIMEOUT WHAT CMD...: run CMD every 0.5 s until it succeeds
         sleep 0.5
     done
 }
-state_is() { [ "$(jfield "$1" JobState)" = "$2" ]; }
+state_is() {  # JOBID STATE: the job is in STATE; fail at once if it ended in another state
+    local st
+    st=$(jfield "$1" JobState)
+    case $st in
+    "$2") return 0 ;;
+    COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | BOOT_FAIL | DEADLINE | PREEMPTED)
+        cat "$W"/requeue-*.out 2>/dev/null | sed 's/^/    /' >&2
+        fail "job $1 ended $st ($(jfield "$1" Reason)) while waiting for $2" ;;
+    esac
+    return 1
+}
 
 # ---- 1. srun across the 3 nodes
 ts "srun -N3 -n3"

@@ -61,11 +61,23 @@ nodes_in() {
     [ "$count" = "$NODES" ]
 }
 
-wait_nodes() {  # TIMEOUT STATE...
-    local timeout=$1 t=$SECONDS
+wait_nodes() {  # TIMEOUT STATE...: wait until all nodes are in one of the STATEs; after 5 s, resume nodes that
+    # respond but stay down or drained (ReturnToService=2 returns a node that registers, not a drained one)
+    local timeout=$1 t=$SECONDS resumed=" " n st
     shift
     until nodes_in "$@"; do
         [ $((SECONDS - t)) -lt "$timeout" ] || { node_states >&2 || true; return 1; }
+        if [ $((SECONDS - t)) -ge 5 ]; then
+            while read -r n st; do
+                case $st in
+                down | drain | drng | fail | failg)
+                    [[ $resumed == *" $n "* ]] && continue
+                    log "$n is $st ($(incluster sinfo -h -n "$n" -o %E 2>/dev/null)): scontrol update nodename=$n state=resume"
+                    incluster scontrol update nodename="$n" state=resume || true
+                    resumed+="$n " ;;
+                esac
+            done <<< "$(node_states || true)"
+        fi
         sleep 0.5
     done
 }
@@ -271,20 +283,19 @@ cmd_crash() {
 }
 
 cmd_restore() {
-    local node=$1 st t=$SECONDS resumed=0
+    local node=$1
     check_node "$node"
     daemon ci-node start "$node"
+    local t=$SECONDS st resumed=
     while :; do
         st=$(incluster sinfo -h -n "$node" -o %t 2>/dev/null | head -1)
-        case $st in
-        idle | alloc | mix) break ;;
-        down | drain | drng | fail | failg)   # responding but still down (ReturnToService did not bring it back)
-            if [ $resumed = 0 ] && [ $((SECONDS - t)) -ge 5 ]; then
-                log "$node is $st: scontrol update nodename=$node state=resume"
-                incluster scontrol update nodename="$node" state=resume || true
-                resumed=1
-            fi ;;
-        esac
+        case $st in idle | alloc | mix) break ;; esac
+        if [ $((SECONDS - t)) -ge 5 ] && [ -z "${resumed:-}" ] && [[ $st =~ ^(down|drain|drng|fail|failg)$ ]]; then
+            # responding but still down (ReturnToService brings back a node that registers, not a drained one)
+            log "$node is $st: scontrol update nodename=$node state=resume"
+            incluster scontrol update nodename="$node" state=resume || true
+            resumed=1
+        fi
         [ $((SECONDS - t)) -lt 120 ] || die "$node is not back after 120 s (state: ${st:-?})"
         sleep 0.5
     done

@@ -120,10 +120,17 @@ def test_sigterm_takes_the_preemption_path(workspace: Path, baseline: RunDir):
     requested = events(run, "preempt.requested")
     assert len(requested) == 1 and requested[0]["signal"] == "SIGTERM" and requested[0]["step"] >= 15
     ended = events(run, "attempt.ended")
-    assert ended[0]["cause"] == "preempted" and ended[0]["decision"] == "restart"
+    assert ended[0]["cause"] == "preempted"
     assert ended[0]["tally"]["infra_failures"] == 1 and ended[0]["tally"]["training_failures"] == 0
-    started = events(run, "attempt.started")
-    assert started[1]["resume_from_step"] == ended[0]["committed_step"] is not None
+    assert events(run, "preempt.saved") or events(run, "preempt.unsaved") or events(run, "preempt.escalated")
+    # With jax.distributed, MaxText/Orbax either saves at the preemption sync point and stops (then a new
+    # attempt resumes from that save), or misses the sync point and trains on; with 15 steps left it can reach
+    # the final step inside the grace period, and then the run is finished without a second attempt.
+    if ended[0]["decision"] == "restart":
+        started = events(run, "attempt.started")
+        assert started[1]["resume_from_step"] == ended[0]["committed_step"] is not None
+    else:
+        assert ended[0]["decision"] == "finish" and ended[0]["committed_step"] == 29
     assert final_loss(run) == final_loss(baseline)
     assert run.load_manifest()["injections"][0]["spec"] == "sigterm:step=15"
 

@@ -213,13 +213,12 @@ class SlurmStepBackend:
         elif self.container_launch == "oci":
             argv = [*srun, f"--container={self.sif}", "/opt/venv/bin/python", *agent]
         else:
+            # No --cleanenv here: each task's own SLURM_PROCID/SLURM_LOCALID must reach the container, and srun
+            # sets them per task. What would break the image's Python is removed instead.
             binds = [arg for path in self.binds for arg in ("--bind", path)]
-            argv = [*srun, "apptainer", "exec", "--cleanenv", *self.gpu_flags, *binds, self.sif,
-                    "/opt/venv/bin/python", *agent]
-            # --cleanenv: the variables the training needs go in as APPTAINERENV_*; SLURM_* are passed too.
-            env.update({f"APPTAINERENV_{k}": v for k, v in base_env.items()})
-            env.update({"APPTAINERENV_RKIT_NPROCS": str(processes), "APPTAINERENV_RKIT_COORDINATOR": coordinator,
-                        "APPTAINERENV_PYTHONUNBUFFERED": "1"})
+            argv = [*srun, "apptainer", "exec", *self.gpu_flags, *binds, self.sif, "/opt/venv/bin/python", *agent]
+            for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+                env.pop(name, None)
         return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes, log=attempt_dir / "srun.log", cwd=cwd)
 
     def submit(self, request: StepRequest) -> StepHandle:
