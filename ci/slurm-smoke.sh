@@ -129,16 +129,18 @@ ts "job $j requeued $((SECONDS - tc))s after the crash ($(jfield "$j" Reason), r
 timing "  crash -> requeued (PENDING)" $((SECONDS - tc))
 tr=$SECONDS
 scontrol update jobid="$j" StartTime=now
-"$TB" restore "$node" > "$W/restore.log" 2>&1 &
-restore=$!
 wait_until 120 "job $j to complete" state_is "$j" COMPLETED
 timing "  release (StartTime=now) -> rerun done" $((SECONDS - tr))
 sed 's/^/    /' "$W/requeue-$j.out"
 grep -q '^start on c[1-3] restart=0$' "$W/requeue-$j.out" || fail "no first run in the output"
+grep -q '^start on c[1-3] restart=1$' "$W/requeue-$j.out" || fail "no rerun in the output"
 grep -q '^end restart=1$' "$W/requeue-$j.out" || fail "the rerun did not finish with SLURM_RESTART_COUNT=1"
 ! grep -q '^end restart=0$' "$W/requeue-$j.out" || fail "the first run finished despite the crash"
-wait "$restore" || { cat "$W/restore.log"; fail "restore $node"; }
-timing "  crash -> $node back (restore)" $((SECONDS - tc))
+ts "restore $node"
+t2=$SECONDS
+"$TB" restore "$node"
+timing "  restore $node" $((SECONDS - t2))
+[ "$(srun -N3 -n3 bash -c 'echo $SLURMD_NODENAME' | sort -u | wc -l)" = 3 ] || fail "srun -N3 after restore"
 "$TB" status > /dev/null || fail "the test bed is not healthy after the crash test"
 timing "node crash test, total" $((SECONDS - t))
 

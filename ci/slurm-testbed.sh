@@ -199,6 +199,7 @@ SlurmdTimeout=10
 SlurmctldTimeout=10
 KillWait=5
 MinJobAge=300
+MailProg=/bin/true
 SlurmdParameters=config_overrides
 NodeName=c[1-$NODES] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[18001-$((18000 + NODES))] CPUs=2 RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=c[1-$NODES] Default=YES MaxTime=INFINITE State=UP
@@ -282,20 +283,28 @@ cmd_crash() {
     incluster ci-node crash "$1"
 }
 
+RESTORE_SETTLE=${RKIT_SLURM_RESTORE_SETTLE:-2}
+
 cmd_restore() {
-    local node=$1
+    # The node comes back drained and is resumed $RESTORE_SETTLE s after it registered. Without that, slurmctld
+    # 24.11.5 segfaulted (NULL write in a worker thread; 3 times out of 3) when a requeued job released with
+    # StartTime=now was allocated the node in the same second it returned to service and then ran `srun`.
+    local node=$1 t=$SECONDS st
     check_node "$node"
+    if ! incluster ci-node alive "$node"; then
+        incluster scontrol update nodename="$node" state=drain reason="rkit-ci restore" 2>/dev/null || true
+    fi
     daemon ci-node start "$node"
-    local t=$SECONDS st resumed=
     while :; do
         st=$(incluster sinfo -h -n "$node" -o %t 2>/dev/null | head -1)
-        case $st in idle | alloc | mix) break ;; esac
-        if [ $((SECONDS - t)) -ge 5 ] && [ -z "${resumed:-}" ] && [[ $st =~ ^(down|drain|drng|fail|failg)$ ]]; then
-            # responding but still down (ReturnToService brings back a node that registers, not a drained one)
-            log "$node is $st: scontrol update nodename=$node state=resume"
+        case $st in
+        idle | alloc | mix) break ;;
+        drain | down | drng | fail | failg)   # responding again, but not in service
+            sleep "$RESTORE_SETTLE"
+            log "$node registered ($st): scontrol update nodename=$node state=resume"
             incluster scontrol update nodename="$node" state=resume || true
-            resumed=1
-        fi
+            t=$SECONDS ;;
+        esac
         [ $((SECONDS - t)) -lt 120 ] || die "$node is not back after 120 s (state: ${st:-?})"
         sleep 0.5
     done

@@ -56,3 +56,15 @@ def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
 @pytest.fixture
 def cli():
     return rkit
+
+
+# The image tests use the plain Debian mirror (the one reachable here), not the dated snapshot default.
+MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
+
+
+@pytest.fixture(scope="session")
+def cpu_image() -> Path:
+    """The cpu image, built once per test session from containers/cpu.def (then cached by key)."""
+    require_apptainer()
+    done = rkit("image", "build", "cpu", *MIRROR, timeout=3600, check=0)
+    return Path(done.stdout.strip().splitlines()[-1])

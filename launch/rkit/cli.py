@@ -82,8 +82,8 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
                        total=loaded.total_steps) as on_progress:
         run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)
     if state.value == "pending":
-        click.echo(f"rkit: submitted {run_dir} as Slurm job {runner.slurm_job(run_dir)}; "
-                   f"follow it with: rkit status {run_dir}")
+        click.echo(f"rkit: submitted {run_dir.path} as Slurm job {runner.slurm_job(run_dir)}; "
+                   f"follow it with: rkit status {run_dir.path}")
         if not wait:
             return
         state = report.follow(run_dir, echo=click.echo)

@@ -196,7 +196,11 @@ def supervise(run_path: Path) -> RunState:
                                 image=image, jax_cache_dir=jax_cache)
         supervisor.install_signal_handlers()
         signal.signal(signal.SIGUSR1, supervisor.request_preempt)
-        state = supervisor.run_to_end()
+        try:
+            state = supervisor.run_to_end()
+        except Exception as exc:
+            run.emit("run.gave_up", reason=f"the supervisor failed: {type(exc).__name__}: {exc}")
+            raise
         if state is RunState.REQUEUED and job_id:
             if backend.exclude:
                 subprocess.run(["scontrol", "update", f"jobid={job_id}", f"ExcNodeList={','.join(backend.exclude)}"],

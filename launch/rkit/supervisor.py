@@ -292,7 +292,8 @@ class Supervisor:
         except OSError as exc:
             return Outcome(Cause.LAUNCH_ERROR, committed_before, committed_before, f"{exc}")
         info["nodes"] = self.backend.nodes(handle)
-        info["pids"] = {r: p.pid for r, p in handle.procs.items()}
+        procs = getattr(handle, "procs", None)
+        info["pids"] = {r: p.pid for r, p in procs.items()} if procs is not None else {"srun": handle.proc.pid}
         write_json_atomic(attempt_dir / "attempt.json", info)
         self.run.emit("attempt.started", attempt=attempt, resume_from_step=committed_before,
                       nodes=info["nodes"], processes=self.processes, injections=info["injections"])

@@ -16,22 +16,13 @@ from rkit.image import image_info, sha256_file
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged
 
-from ..conftest import REPO, require_apptainer, require_maxtext, rkit
+from ..conftest import MIRROR, REPO, require_maxtext, rkit
 from ..unit.test_container_definitions import lock_entries, normalize
 
 pytestmark = [pytest.mark.slow]
 
-# The image tests use the plain Debian mirror (the one reachable here), not the dated snapshot default.
-MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 SHORT = ["-o", "trainer.steps=30", "-o", "checkpoint.period=10"]
 RECIPE = REPO / "recipes" / "tiny-cpu-image.yaml"
-
-
-@pytest.fixture(scope="session")
-def cpu_image() -> Path:
-    require_apptainer()
-    done = rkit("image", "build", "cpu", *MIRROR, timeout=3600, check=0)
-    return Path(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,175 @@
+"""The Slurm launcher on a real 3-node Slurm 24.11 cluster (ci/slurm-testbed.sh), real Apptainer
+(srun --container=<cpu SIF>), real MaxText: finish, survive a node crash, a USR1 preemption, and stop a
+deterministic failure at its budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rkit.rundir import RunDir
+from rkit.telemetry.metrics import merged
+
+from ..conftest import REPO, in_ci, require_maxtext, rkit
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
+TESTBED = REPO / "ci" / "slurm-testbed.sh"
+STEPS = ["-o", "trainer.steps=40", "-o", "checkpoint.period=10"]
+
+
+@pytest.fixture(scope="session")
+def cluster() -> dict[str, str]:
+    require_maxtext()
+    done = subprocess.run([str(TESTBED), "status"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        message = "the Slurm test bed is not up; start it with `ci/slurm-testbed.sh up` (make test does)"
+        if in_ci():
+            pytest.fail(f"CI=true and the test bed is missing: {message}\n{done.stdout}{done.stderr}")
+        pytest.skip(message)
+    base = os.environ.get("RKIT_SLURM_BASE", "/opt/rkit-ci/slurm")
+    return {"PATH": f"{base}/bin:{os.environ['PATH']}"}
+
+
+@pytest.fixture(scope="session")
+def slurm_workspace(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("slurm") / "slurm runs"  # under /tmp: visible inside the cluster
+    path.mkdir()
+    return path
+
+
+def submit(cluster, workspace: Path, name: str, image: Path, *extra: str) -> RunDir:
+    done = rkit("run", str(RECIPE), "-o", f"name={name}", "-o", f"runs_dir={workspace}", "-o", f"image={image}",
+                *STEPS, *extra, cwd=workspace, env=cluster, check=0)
+    assert "submitted" in done.stdout and "Slurm job" in done.stdout
+    return RunDir(workspace / name)
+
+
+def job_of(run: RunDir) -> str:
+    return [e for e in run.events() if e["event"] == "job.submitted"][-1]["job_id"]
+
+
+def squeue(cluster, job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T|%r"], capture_output=True, text=True,
+                          env=dict(os.environ, **cluster), check=False).stdout.strip()
+
+
+def wait_until(predicate, timeout: float, what: str, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def status(cluster, run: RunDir) -> dict:
+    return json.loads(rkit("status", "--json", str(run.path), env=cluster, check=0).stdout)
+
+
+def wait_finished(cluster, run: RunDir, timeout: float = 900) -> dict:
+    """Until the run is in a final state and its job has left the queue; release requeue holds as they come."""
+    job = job_of(run)
+
+    def done():
+        queue = squeue(cluster, job)
+        if "BeginTime" in queue or "launch failed requeued held" in queue:
+            # A requeued job waits out cred_expire (30 s here); start it now.
+            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=dict(os.environ, **cluster),
+                           capture_output=True, check=False)
+        s = status(cluster, run)
+        return s if s["state"] in ("finished", "gave up") and not queue else None
+
+    return wait_until(done, timeout, f"run {run.name} to end", every=2)
+
+
+def final_loss(run: RunDir) -> float:
+    view = merged(run, rank=0)
+    assert max(view) == 39
+    return view[39]["loss"]
+
+
+@pytest.fixture(scope="session")
+def clean_run(cluster, slurm_workspace, cpu_image) -> RunDir:
+    run = submit(cluster, slurm_workspace, "clean", cpu_image)
+    wait_finished(cluster, run)
+    return run
+
+
+def test_two_nodes_in_containers_finish(cluster, clean_run: RunDir):
+    s = status(cluster, clean_run)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["completed"]
+    assert s["slurm"]["job_id"] == job_of(clean_run)
+    node_ids = set()
+    for rank in (0, 1):
+        env = json.loads((clean_run.attempt_dir(1) / "env" / f"rank-{rank}.json").read_text())
+        assert env["python"]["executable"] == "/opt/venv/bin/python"
+        assert env["environment"]["SLURM_PROCID"] == str(rank) and env["jax"]["process_count"] == 2
+        node_ids.add(env["environment"]["SLURM_NODEID"])
+    assert node_ids == {"0", "1"}  # one task on each of two nodes
+    launch = json.loads((clean_run.attempt_dir(1) / "attempt.json").read_text())["launch"]
+    assert any(a.startswith("--container=") for a in launch["argv"]) and "--kill-on-bad-exit=1" in launch["argv"]
+    assert (clean_run.path / "job.sbatch").is_file()
+
+
+def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_image, clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "crash", cpu_image)
+    wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= 25, 600,
+               "step 25")
+    nodes = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["nodes"]
+    victim = nodes[1]  # runs rank 1; the batch script (and the supervisor) run on the first node
+    crashed_at = time.time()
+    subprocess.run([str(TESTBED), "crash", victim], check=True, capture_output=True)
+    try:
+        wait_finished(cluster, run)
+    finally:
+        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    events = run.events()
+    failed = [e for e in events if e["event"] == "attempt.failed"]
+    assert failed and failed[0]["cls"] == "node_fail" and victim in failed[0]["lost_nodes"]
+    assert any(e["event"] == "nodes.excluded" and victim in e["excluded"] for e in events)
+    second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
+    assert victim not in second["launch"]["nodes"] and second["resume_from_step"] >= 10
+    first_step = next(e for e in events if e["event"] == "attempt.first_step" and e["attempt"] == 2)
+    print(f"node crash -> first resumed step: {first_step['t'] - crashed_at:.1f} s")
+    assert final_loss(run) == final_loss(clean_run)
+
+
+def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image, clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "usr1", cpu_image)
+    job = job_of(run)
+    wait_until(lambda: len(merged(run, 0)) >= 15, 600, "step 15")
+    signalled = time.time()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=dict(os.environ, **cluster), check=True)
+    s = wait_finished(cluster, run)
+    events = run.events()
+    requested = [e for e in events if e["event"] == "preempt.requested"]
+    assert requested and requested[0]["received"] == "SIGUSR1"
+    requeued = [e for e in events if e["event"] == "job.requeued"]
+    assert requeued and requeued[0]["t"] - signalled < 120
+    restarts = [e for e in events if e["event"] == "job.started"]
+    assert [e["restart_count"] for e in restarts][:2] == [0, 1]
+    ended = next(e for e in events if e["event"] == "attempt.ended")
+    started = [e for e in events if e["event"] == "attempt.started"]
+    assert ended["cause"] == "preempted" and ended["decision"] == "requeue"
+    assert started[1]["resume_from_step"] == ended["committed_step"]
+    assert s["slurm"]["requeues"] >= 1
+    assert final_loss(run) == final_loss(clean_run)
+
+
+def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu_image):
+    run = submit(cluster, slurm_workspace, "crashloop", cpu_image, "--inject",
+                 "exit:rank=0,step=15,code=3,repeat=true", "-o", "resilience.crash_loop_limit=2")
+    s = wait_finished(cluster, run)
+    assert s["state"] == "gave up" and "crash loop" in s["reason"] and "exited with code 3" in s["reason"]
+    assert all(a["cause"] == "task_exit" for a in s["attempts"])
+    assert squeue(cluster, job_of(run)) == ""  # the job does not linger in the queue
+    text = rkit("status", str(run.path), env=cluster, check=0).stdout
+    assert "gave up: crash loop" in text and f"job {job_of(run)}" in text
