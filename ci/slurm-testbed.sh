@@ -20,7 +20,9 @@
 #   crash NODE    kill node NODE (c1..c3) like a machine crash
 #   restore NODE  start NODE again and wait until it is idle or allocated
 #   exec CMD...   run CMD inside the cluster namespace
-# Environment: RKIT_SLURM_BASE (default /opt/rkit-ci/slurm), RKIT_SLURM_BINDS, DEBIAN_MIRROR.
+# Environment: RKIT_SLURM_BASE (default /opt/rkit-ci/slurm), RKIT_SLURM_BINDS, RKIT_SLURM_PORT (default 7817; a second
+# test bed on the same machine needs its own base and port), DEBIAN_MIRROR.
+# Changes to the configuration (binds, ports, slurm.conf) apply to a running cluster only after down + up.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -30,6 +32,7 @@ R=$BASE/root
 NODES=3
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 S=/var/lib/slurm-ci
+PORT=${RKIT_SLURM_PORT:-7817}   # slurmctld; slurmd PORT+1; nodes c1..c3 listen on PORT+10184+i (18001-18003)
 export DEBIAN_FRONTEND=noninteractive
 T0=$SECONDS
 
@@ -178,8 +181,8 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire=30
-SlurmctldPort=7817
-SlurmdPort=7818
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
 StateSaveLocation=$S/state
 SlurmdSpoolDir=$S/spool/%n
 SlurmctldPidFile=/run/slurm-ci/slurmctld.pid
@@ -201,7 +204,7 @@ KillWait=5
 MinJobAge=300
 MailProg=/bin/true
 SlurmdParameters=config_overrides
-NodeName=c[1-$NODES] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[18001-$((18000 + NODES))] CPUs=2 RealMemory=1000 State=UNKNOWN
+NodeName=c[1-$NODES] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$((PORT + 10185))-$((PORT + 10184 + NODES))] CPUs=2 RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=c[1-$NODES] Default=YES MaxTime=INFINITE State=UP
 EOF
     put "$R/etc/slurm/oci.conf" <<'EOF'
@@ -214,12 +217,12 @@ RunTimeRun="/usr/local/bin/slurm-oci-apptainer %e %r %@"
 RunTimeKill="kill -s SIGTERM %p"
 RunTimeDelete="kill -s SIGKILL %p"
 EOF
-    put "$R/usr/local/bin/ci-node" 755 < "$HERE/testbed/ci-node"
-    put "$R/usr/local/bin/slurm-oci-apptainer" 755 < "$HERE/testbed/slurm-oci-apptainer"
 }
 
-host_commands() {
+install_scripts() {  # the host commands in $BASE/bin and the helpers in the root, from ci/testbed
     local c
+    put "$R/usr/local/bin/ci-node" 755 < "$HERE/testbed/ci-node"
+    put "$R/usr/local/bin/slurm-oci-apptainer" 755 < "$HERE/testbed/slurm-oci-apptainer"
     mkdir -p "$BASE/bin"
     put "$BASE/bin/cluster-ns" 755 < "$HERE/testbed/cluster-ns"
     for c in sbatch srun salloc squeue sinfo scontrol scancel sacct apptainer ci-node; do
@@ -232,9 +235,7 @@ cmd_up() {
     [ "$(id -u)" = 0 ] || die "run as root (it debootstraps a root and starts namespaces)"
     local binds
     if ns_alive && nodes_in idle; then
-        host_commands                       # cheap: rewrites only what changed in ci/testbed
-        put "$R/usr/local/bin/ci-node" 755 < "$HERE/testbed/ci-node"
-        put "$R/usr/local/bin/slurm-oci-apptainer" 755 < "$HERE/testbed/slurm-oci-apptainer"
+        install_scripts                     # cheap: rewrites only what changed in ci/testbed
         binds=$(want_binds)
         [ "$binds" = "$(cat "$BASE/binds" 2>/dev/null)" ] \
             || log "note: the running cluster shows: $(tr '\n' ' ' < "$BASE/binds")(down + up to apply a changed list)"
@@ -245,14 +246,15 @@ cmd_up() {
     mkdir -p "$BASE"/{bin,log,work}
     make_root
     install_packages
-    log "configure"
-    configure
-    host_commands
+    install_scripts
     binds=$(want_binds)
     if ns_alive; then
-        log "cluster namespace already running: starting what is missing"
+        # the daemons read slurm.conf when they start: rewriting it under a running cluster would split it
+        log "cluster namespace already running: starting what is missing (config changes need down + up)"
         [ "$binds" = "$(cat "$BASE/binds")" ] || log "note: binds differ from the running namespace's: down + up to apply"
     else
+        log "configure"
+        configure
         echo "$binds" > "$BASE/binds"
         cp "$BASE/binds" "$R/etc/rkit-testbed/binds"
         log "start the cluster namespace; visible inside: $(tr '\n' ' ' <<< "$binds")"

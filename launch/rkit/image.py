@@ -2,7 +2,7 @@
 
 An image is identified by the sha256 of its SIF file. The cache key of a build is the sha256 of what goes
 into it: the definition file, the lock, the build arguments that change content, the base image digest,
-and rkit's own source (rkit is installed in the image). An unchanged key is not rebuilt.
+and the image-side part of rkit (rkit is installed in the image). An unchanged key is not rebuilt.
 """
 
 from __future__ import annotations
@@ -49,11 +49,18 @@ def sha256_file(path: Path) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def sha256_tree(root: Path, patterns: tuple[str, ...] = ("*.py", "*.json")) -> str:
+# The part of rkit that runs inside an image (the agent and what it imports, and the build-time writer of
+# /etc/rkit/image.json). Only these files are in the cache key: a change to the host-side CLI, supervisor or
+# backends does not rebuild images. tests/unit/test_container_definitions.py checks this list is complete.
+IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "errors.py", "imageinfo.py", "inject.py", "manifest.py", "recipe.py",
+                    "rundir.py", "schema/recipe.schema.json", "telemetry/__init__.py", "telemetry/metrics.py",
+                    "trainers/__init__.py", "trainers/maxtext.py")
+
+
+def sha256_tree(root: Path, files: tuple[str, ...] = IMAGE_SIDE_FILES) -> str:
     digest = hashlib.sha256()
-    files = sorted(p for pattern in patterns for p in root.rglob(pattern) if "__pycache__" not in p.parts)
-    for path in files:
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
     return f"sha256:{digest.hexdigest()}"
 
 
@@ -146,7 +153,7 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None,
     args.update({"FLAVOR": flavor, "DEF_SHA256": def_sha, "LOCK_SHA256": lock_sha,
                  "BASE_REFERENCE": base_reference, "BASE_DIGEST": base_digest, "RKIT_VERSION": __version__})
     material = {"definition_sha256": def_sha, "lock_sha256": lock_sha, "base_reference": base_reference,
-                "base_digest": base_digest, "rkit_source_sha256": sha256_tree(Path(__file__).resolve().parent),
+                "base_digest": base_digest, "rkit_agent_sha256": sha256_tree(Path(__file__).resolve().parent),
                 "build_args": dict(sorted(args.items()))}
     key = "sha256:" + hashlib.sha256(canonical_json(material).encode()).hexdigest()
     return BuildPlan(flavor, definition, lock, args, material, key)
@@ -324,7 +331,7 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
             if record["sha256"] == want_sha256:
                 return Path(record["path"])
     plan = plan_build(flavor, {"MIRROR": "any"} if flavor == "cpu" else None)
-    same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_source_sha256")
+    same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_agent_sha256")
     current = [r for r in records if all(r["key_material"].get(k) == plan.key_material[k] for k in same)]
     if not current:
         raise RkitError(f"image {flavor!r}: no {flavor} image built from the current containers/{flavor}.def, its "

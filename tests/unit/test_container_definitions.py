@@ -116,3 +116,16 @@ def test_gpu_lock_resolves_for_its_platform(flavor, tmp_path):
     pinned = {normalize(req.split("==")[0].split("[")[0])
               for req, _ in lock_entries(CONTAINERS / "lock" / f"{flavor}.txt")}
     assert installed == pinned
+
+
+def test_image_side_files_cover_what_the_agent_imports():
+    """The cache key covers the rkit modules that run inside an image: the agent's whole import closure."""
+    from rkit.image import IMAGE_SIDE_FILES
+
+    code = ("import sys, rkit.agent, rkit.manifest, rkit.trainers.maxtext, rkit.imageinfo; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('rkit'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    for module in done.stdout.split():
+        parts = module.split(".")[1:]
+        candidates = {"/".join(parts) + ".py", "/".join(parts + ["__init__.py"])} if parts else {"__init__.py"}
+        assert candidates & set(IMAGE_SIDE_FILES), module
