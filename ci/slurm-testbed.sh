@@ -310,6 +310,21 @@ cmd_restore() {
         [ $((SECONDS - t)) -lt 120 ] || die "$node is not back after 120 s (state: ${st:-?})"
         sleep 0.5
     done
+    if [ "$st" != idle ]; then
+        # Seen once: slurmctld 24.11.5 kept the CPU of a job requeued off the crashed node allocated on it, so the
+        # node came back "mix" with no job on it. `scontrol reconfigure` (the controller rebuilds its state) clears it.
+        sleep 1
+        st=$(incluster sinfo -h -n "$node" -o %t 2>/dev/null | head -1)
+        if [ "$st" != idle ] && [ -z "$(incluster squeue -h -w "$node" -o %i 2>/dev/null)" ]; then
+            log "$node is $st with no job on it: scontrol reconfigure"
+            incluster scontrol reconfigure || true
+            t=$SECONDS
+            until st=$(incluster sinfo -h -n "$node" -o %t 2>/dev/null | head -1) && [ "$st" = idle ]; do
+                [ $((SECONDS - t)) -lt 30 ] || { log "warning: $node is still $st"; break; }
+                sleep 0.5
+            done
+        fi
+    fi
     log "$node is $st"
 }
 
