@@ -9,6 +9,7 @@
 #      Slurm requeues the job (NODE_FAIL), `scontrol update jobid=J StartTime=now` releases the cred_expire hold,
 #      the rerun sees SLURM_RESTART_COUNT=1; then the node is restored
 # Prints the time of each step. Exit 0 when all passed.
+# shellcheck disable=SC2016,SC2001  # single-quoted $ is for the job; sed indents
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 TB=$HERE/slurm-testbed.sh
@@ -89,7 +90,6 @@ case $SIF in /tmp/* | "$BASE"/work/* | "$HOME"/.cache/rkit/*) ;; *) ts "note: $S
 ts "srun -N2 -n2 --container"
 t=$SECONDS
 echo probe > "$W/probe"
-# shellcheck disable=SC2016
 out=$(RKIT_SMOKE_VALUE='a b$c `d` "e" \n (x3)' srun -N2 -n2 --container="$SIF" python3 -c '
 import os
 e = os.environ

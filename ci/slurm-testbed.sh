@@ -23,10 +23,11 @@
 # Environment: RKIT_SLURM_BASE (default /opt/rkit-ci/slurm), RKIT_SLURM_BINDS, RKIT_SLURM_PORT (default 7817; a second
 # test bed on the same machine needs its own base and port), DEBIAN_MIRROR.
 # Changes to the configuration (binds, ports, slurm.conf) apply to a running cluster only after down + up.
+# shellcheck disable=SC2016  # single-quoted $ is meant for the inner shell
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO=$(cd "$HERE/.." && pwd)
+REPO=$(cd "$HERE/.." && pwd)   # the path as the caller sees it (a symlinked checkout is bound at its link)
 BASE=${RKIT_SLURM_BASE:-/opt/rkit-ci/slurm}
 R=$BASE/root
 NODES=3
@@ -96,10 +97,9 @@ want_binds() {
         echo "$HOME/.cache/rkit"
         echo "$BASE/work"
         for b in ${RKIT_SLURM_BINDS:-}; do
+            [[ $b == /?* ]] || die "RKIT_SLURM_BINDS: $b is not an absolute path (or is /)"
             [ -e "$b" ] || die "RKIT_SLURM_BINDS: $b does not exist"
-            b=$(readlink -f "$b")
-            [ "$b" != / ] || die "RKIT_SLURM_BINDS: cannot bind /"
-            echo "$b"
+            echo "${b%/}"
         done
     } | sort -u
 }
@@ -122,7 +122,7 @@ make_root() {
     [ -x "$R/usr/bin/apt-get" ] && return 0
     command -v debootstrap >/dev/null || { log "apt-get install debootstrap (host)"; apt-get update -qq; apt-get install -y -qq debootstrap >/dev/null; }
     local new=$BASE/root.new
-    grep -q " $new[/ ]" /proc/self/mounts && die "mounts remain under $new from an earlier run: unmount them first"
+    grep -q " ${new}[/ ]" /proc/self/mounts && die "mounts remain under $new from an earlier run: unmount them first"
     rm -rf "$new"
     log "debootstrap trixie into $R (log: $BASE/log/debootstrap.log)"
     # in a private mount namespace, so that no mount debootstrap makes can outlive it
@@ -166,7 +166,7 @@ configure() {
     # apptainer as root here: CAP_SYS_RESOURCE is missing from the bounding set, so root gets "file" capabilities
     # plus every capability that is present (ci/present-capabilities.py; the namespace has the host's bounding set).
     sed -i 's/^root default capabilities = .*/root default capabilities = file/' "$R/etc/apptainer/apptainer.conf"
-    caps=$(python3 "$HERE/present-capabilities.py")
+    caps=$(python3 "$HERE/present-capabilities.py" 2>/dev/null || inchroot python3 - < "$HERE/present-capabilities.py")
     if ! grep -qs "$(echo "$caps" | tr ',' '\n' | tail -1)" "$R/etc/apptainer/capability.json"; then
         inchroot apptainer capability add --user root "$caps" > "$BASE/log/capability.log" 2>&1
     fi
