@@ -103,12 +103,39 @@ def arm_injections(ctx: AgentContext, poll_seconds: float = 0.01) -> threading.T
     return thread
 
 
+PREEMPT_FILE = "preempt"
+
+
+def preempt_request_path(run: RunDir, attempt: int) -> Path:
+    """The supervisor creates this file to ask every rank to save and stop (the preemption path)."""
+    return run.attempt_dir(attempt) / PREEMPT_FILE
+
+
+def watch_preempt_request(ctx: AgentContext, poll_seconds: float = 0.25) -> threading.Thread:
+    """SIGTERM this very process when the supervisor asks: JAX/Orbax then save at the preemption sync point.
+    A file, not a signal through the launcher: a container runtime between srun and the trainer may not pass
+    a signal on (or may die of it and leave the trainer running)."""
+    path = preempt_request_path(ctx.run, ctx.attempt)
+
+    def watch() -> None:
+        while not path.exists():
+            time.sleep(poll_seconds)
+        sys.stderr.write("rkit: preemption requested by the supervisor: SIGTERM to self (save and stop)\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="rkit-preempt", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
     ctx = AgentContext.from_env()
     init_distributed(ctx)
     write_env_manifest(ctx)
     arm_injections(ctx)
+    watch_preempt_request(ctx)
 
     from absl import app
     from maxtext.trainers.pre_train import train

@@ -261,14 +261,19 @@ class SlurmStepBackend:
         return [] if handle.proc.poll() is not None else list(range(int(handle.request.env["RKIT_NPROCS"])))
 
     def signal_all(self, handle: StepHandle, sig: int) -> None:
-        """Signal every task of the step (scancel --signal reaches the tasks on their nodes)."""
+        """SIGTERM (save and stop) goes through the agents' request file; any other signal ends the step."""
         if handle.proc.poll() is not None:
+            return
+        if sig == signal.SIGTERM:
+            from ..agent import preempt_request_path
+
+            preempt_request_path(RunDir(handle.request.env["RKIT_RUN_DIR"]), handle.request.attempt).touch()
             return
         job_id = os.environ.get("SLURM_JOB_ID")
         step = self._step_id(handle)
         if job_id and step is not None:
-            subprocess.run(["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}",
-                            f"{job_id}.{step}"], capture_output=True, check=False)
+            # Cancel the step: Slurm terminates every task (and the container runtime's kill/delete hooks run).
+            subprocess.run(["scancel", f"{job_id}.{step}"], capture_output=True, check=False)
         else:
             try:
                 os.killpg(handle.proc.pid, sig)
@@ -295,7 +300,7 @@ class SlurmStepBackend:
         if handle.proc.poll() is None:
             self.signal_all(handle, signal.SIGKILL)
             try:
-                handle.proc.wait(timeout=30)
+                handle.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(handle.proc.pid, signal.SIGKILL)
                 handle.proc.wait()
