@@ -132,6 +132,8 @@ def watch_preempt_request(ctx: AgentContext, poll_seconds: float = 0.25) -> thre
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
     ctx = AgentContext.from_env()
+    # When this process started (after any container runtime): splits restart latency into its parts.
+    ctx.run.emit("agent.started", attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())
     init_distributed(ctx)
     write_env_manifest(ctx)
     arm_injections(ctx)
