@@ -1,0 +1,136 @@
+"""Recovery times on the Slurm test bed, median of N (real Slurm, real Apptainer, real MaxText).
+
+    eval "$(ci/slurm-testbed.sh env)"
+    python tests/benchmarks/slurm_faults.py --image SIF [--repeats 3]
+
+node crash: the node running rank 1 (not the batch host) is crashed at step >= 25; a spare node replaces it.
+  detection  crash -> the supervisor sees the step fail (Slurm notices the node is gone)
+  relaunch   failure -> the next step is launched on healthy nodes
+  container  step launched -> agents running in the container
+  maxtext    agents running -> first trained step (MaxText start, compile cache, Orbax restore)
+usr1: `scancel --signal=USR1 --batch` at step >= 15 (what --signal=B:USR1@lead sends before the time limit).
+  usr1->requeue  signal -> the job requeued itself (save requested, tasks stopped)
+  requeue wait   requeued -> the batch script runs again (the test bed's 30 s cred_expire hold is released
+                 with `scontrol update StartTime=now`, as a scheduler with free nodes would do)
+Steps recomputed: steps trained before the fault that the resumed attempt trains again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
+
+
+def events(run: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def first(evs: list[dict], kind: str, **match) -> dict:
+    return next(e for e in evs if e["event"] == kind and all(e.get(k) == v for k, v in match.items()))
+
+
+def max_step(run: Path) -> int:
+    steps = []
+    for line in (run / "metrics" / "0.jsonl").read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return max(steps, default=-1)
+
+
+def submit(workdir: Path, name: str, image: str) -> Path:
+    subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(RECIPE), "-o", f"name={name}",
+                    "-o", f"runs_dir={workdir}", "-o", f"image={image}", "-o", "trainer.steps=40",
+                    "-o", "checkpoint.period=10"], check=True, capture_output=True)
+    return workdir / name
+
+
+def wait(predicate, timeout: float = 900):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError
+
+
+def finished(run: Path, job: str) -> bool:
+    queue = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True).stdout
+    if "BeginTime" in queue:
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True)
+    return not queue.strip() and any(e["event"] in ("run.finished", "run.gave_up") for e in events(run))
+
+
+def node_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
+    run = submit(workdir, f"crash-{i}", image)
+    job = first(events(run), "job.submitted")["job_id"]
+    wait(lambda: (run / "metrics" / "0.jsonl").exists() and max_step(run) >= 25)
+    victim = json.loads((run / "attempts" / "1" / "attempt.json").read_text())["launch"]["nodes"][1]
+    last_before = max_step(run)
+    crashed = time.time()
+    subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "crash", victim], check=True, capture_output=True)
+    try:
+        wait(lambda: finished(run, job))
+    finally:
+        subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "restore", victim], capture_output=True)
+    evs = events(run)
+    failed = first(evs, "attempt.failed")
+    started = first(evs, "attempt.started", attempt=2)
+    agent = min(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2)
+    step = first(evs, "attempt.first_step", attempt=2)
+    return {"detection": failed["t"] - crashed, "relaunch": started["t"] - failed["t"],
+            "container": agent - started["t"], "maxtext": step["t"] - agent, "total": step["t"] - crashed,
+            "recomputed": max(0, last_before - started["resume_from_step"])}
+
+
+def usr1(workdir: Path, i: int, image: str) -> dict[str, float]:
+    run = submit(workdir, f"usr1-{i}", image)
+    job = first(events(run), "job.submitted")["job_id"]
+    wait(lambda: (run / "metrics" / "0.jsonl").exists() and max_step(run) >= 15)
+    signalled = time.time()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    wait(lambda: finished(run, job))
+    evs = events(run)
+    requested = first(evs, "preempt.requested")
+    requeued = first(evs, "job.requeued")
+    restarted = first(evs, "job.started", restart_count=1)
+    resumed = first(evs, "attempt.started", attempt=2)
+    return {"usr1->requeue": requeued["t"] - signalled, "requeue wait": restarted["t"] - requeued["t"],
+            "recomputed": max(0, requested["step"] - resumed["resume_from_step"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--image", required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    image = str(Path(args.image).resolve())
+    results: dict[str, list[dict[str, float]]] = {"node crash": [], "usr1": []}
+    with tempfile.TemporaryDirectory(prefix="rkit-slurm-bench-", dir="/tmp") as tmp:
+        for i in range(args.repeats):
+            for kind, measure in (("node crash", node_crash), ("usr1", usr1)):
+                row = measure(Path(tmp), i, image)
+                results[kind].append(row)
+                print(f"{kind} {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    for kind, rows in results.items():
+        medians = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(f"{kind} median of {len(rows)}: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
