@@ -142,6 +142,8 @@ def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
     from .backends import slurm
 
     python = recipe.resolved["slurm"]["python"] or sys.executable
+    if image is not None:
+        slurm.check_container_launch(recipe.resolved["slurm"]["container_launch"])
     with open_run(recipe, resume=resume, injections=injections, image=image) as (run, _lock):
         live = slurm_job(run)
         if live and slurm.job_state(live):

@@ -97,6 +97,21 @@ def submit(request: BatchRequest) -> str:
 # ---------------------------------------------------------------- queries
 
 
+def slurm_version() -> tuple[int, int] | None:
+    match = re.search(r"(\d+)\.(\d+)", _run(["sinfo", "--version"]))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def check_container_launch(mode: str) -> None:
+    """`srun --container` (Slurm's OCI support) exists from Slurm 23.02; `srun apptainer exec` works anywhere."""
+    if mode != "oci":
+        return
+    version = slurm_version()
+    if version is not None and version < (23, 2):
+        raise RkitError(f"slurm.container_launch: oci needs srun --container (Slurm >= 23.02 with an oci.conf); "
+                        f"this cluster runs Slurm {version[0]}.{version[1]:02d}. Use container_launch: apptainer.")
+
+
 def _run(argv: list[str], timeout: float = 30) -> str:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
