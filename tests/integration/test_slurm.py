@@ -142,8 +142,10 @@ def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_imag
     assert final_loss(run) == final_loss(clean_run)
 
 
-def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image, clean_run: RunDir):
-    run = submit(cluster, slurm_workspace, "usr1", cpu_image)
+def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image):
+    # Enough steps left after the signal for JAX's preemption sync point to come before the last step
+    # (with few steps left MaxText trains on to the end inside the grace period, and the run just finishes).
+    run = submit(cluster, slurm_workspace, "usr1", cpu_image, "-o", "trainer.steps=200")
     job = job_of(run)
     wait_until(lambda: len(merged(run, 0)) >= 15, 600, "step 15")
     signalled = time.time()
@@ -160,8 +162,8 @@ def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image, cl
     started = [e for e in events if e["event"] == "attempt.started"]
     assert ended["cause"] == "preempted" and ended["decision"] == "requeue"
     assert started[1]["resume_from_step"] == ended["committed_step"]
-    assert s["slurm"]["requeues"] >= 1
-    assert final_loss(run) == final_loss(clean_run)
+    assert s["slurm"]["requeues"] >= 1 and s["state"] == "finished"
+    assert ended["committed_step"] >= requested[0]["step"]  # saved at or after the signal: nothing recomputed
 
 
 def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu_image):
