@@ -84,7 +84,7 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
         **extra,
     }
     write_json_atomic(run.manifest, stamp_data)
-    run.emit("run.submitted", name=recipe.name, config_hash=recipe.config_hash, launcher="local",
+    run.emit("run.submitted", name=recipe.name, config_hash=recipe.config_hash, launcher=recipe.resolved["launcher"],
              injections=[i.spec for i in injections], total_steps=recipe.total_steps)
 
 
