@@ -59,7 +59,7 @@ def submit(workdir: Path, name: str, image: str) -> Path:
     return workdir / name
 
 
-def wait(predicate, timeout: float = 900):
+def wait(predicate, timeout: float = 300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
