@@ -52,9 +52,9 @@ def max_step(run: Path) -> int:
     return max(steps, default=-1)
 
 
-def submit(workdir: Path, name: str, image: str) -> Path:
+def submit(workdir: Path, name: str, image: str, steps: int = 40) -> Path:
     subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(RECIPE), "-o", f"name={name}",
-                    "-o", f"runs_dir={workdir}", "-o", f"image={image}", "-o", "trainer.steps=40",
+                    "-o", f"runs_dir={workdir}", "-o", f"image={image}", "-o", f"trainer.steps={steps}",
                     "-o", "checkpoint.period=10"], check=True, capture_output=True)
     return workdir / name
 
@@ -98,7 +98,8 @@ def node_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
 
 
 def usr1(workdir: Path, i: int, image: str) -> dict[str, float]:
-    run = submit(workdir, f"usr1-{i}", image)
+    # Enough steps after the signal for JAX's preemption sync point (as in tests/integration/test_slurm.py).
+    run = submit(workdir, f"usr1-{i}", image, steps=200)
     job = first(events(run), "job.submitted")["job_id"]
     wait(lambda: (run / "metrics" / "0.jsonl").exists() and max_step(run) >= 15)
     signalled = time.time()
