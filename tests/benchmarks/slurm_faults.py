@@ -10,8 +10,8 @@ node crash: the node running rank 1 (not the batch host) is crashed at step >= 2
   maxtext    agents running -> first trained step (MaxText start, compile cache, Orbax restore)
 usr1: `scancel --signal=USR1 --batch` at step >= 15 (what --signal=B:USR1@lead sends before the time limit).
   usr1->requeue  signal -> the job requeued itself (save requested, tasks stopped)
-  requeue wait   requeued -> the batch script runs again (the test bed's 30 s cred_expire hold is released
-                 with `scontrol update StartTime=now`, as a scheduler with free nodes would do)
+  requeue wait   requeued -> the batch script runs again (Slurm holds a requeued job for cred_expire: 30 s on
+                 the test bed; releasing it sooner can kill it as "Job credential revoked")
 Steps recomputed: steps trained before the fault that the resumed attempt trains again.
 """
 
@@ -70,8 +70,6 @@ def wait(predicate, timeout: float = 300):
 
 def finished(run: Path, job: str) -> bool:
     queue = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True).stdout
-    if "BeginTime" in queue:
-        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True)
     return not queue.strip() and any(e["event"] in ("run.finished", "run.gave_up") for e in events(run))
 
 

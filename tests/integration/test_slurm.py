@@ -75,15 +75,13 @@ def status(cluster, run: RunDir) -> dict:
 
 
 def wait_finished(cluster, run: RunDir, timeout: float = 900) -> dict:
-    """Until the run is in a final state and its job has left the queue; release requeue holds as they come."""
+    """Until the run is in a final state and its job has left the queue. A requeued job waits out Slurm's
+    cred_expire hold (30 s on the test bed): releasing it sooner (StartTime=now) can kill it as
+    "non-startable: Job credential revoked"."""
     job = job_of(run)
 
     def done():
         queue = squeue(cluster, job)
-        if "BeginTime" in queue or "launch failed requeued held" in queue:
-            # A requeued job waits out cred_expire (30 s here); start it now.
-            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=dict(os.environ, **cluster),
-                           capture_output=True, check=False)
         s = status(cluster, run)
         return s if s["state"] in ("finished", "gave up") and not queue else None
 
