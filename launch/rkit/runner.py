@@ -165,8 +165,6 @@ def slurm_job(run: RunDir) -> str | None:
 def supervise(run_path: Path) -> RunState:
     """Inside the batch job: run the attempts as job steps; on a requeue decision, requeue this very job."""
     from .backends import slurm
-    from .image import ImageIdentity as Identity
-    from .inject import Injection as Inj
 
     run = RunDir(run_path).require()
     resolved = run.load_resolved()
@@ -174,12 +172,12 @@ def supervise(run_path: Path) -> RunState:
     job_id = os.environ.get("SLURM_JOB_ID", "")
     events = run.events()
     submitted = [e for e in events if e.get("event") == "job.submitted"]
-    injections = [Inj.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
+    injections = [Injection.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
     excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == "nodes.excluded"), [])
     image = None
     if stamp.get("image", {}).get("kind") == "sif":
         fields = {k: v for k, v in stamp["image"].items() if k != "kind"}
-        image = Identity(**fields)
+        image = ImageIdentity(**fields)
     jax_cache = default_jax_cache_dir()
     Path(jax_cache).mkdir(parents=True, exist_ok=True)
     res = resolved["resources"]

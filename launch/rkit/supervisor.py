@@ -329,19 +329,14 @@ class Supervisor:
                 cause = Cause.PREEMPTED
                 detail = f"{self._preempt} at step {_fmt(progress.step)} (time limit or preemption)"
                 requeue = True
-                self.run.emit("preempt.requested", attempt=attempt, step=progress.step, signal="SIGTERM",
-                              received=self._preempt, grace_seconds=self._grace, reason="signal from Slurm")
-                self.backend.signal_all(handle, signal.SIGTERM)
-                preempt_deadline = self.clock() + self._grace
+                preempt_deadline = self._request_save(handle, attempt, progress.step, reason="signal from Slurm",
+                                                      received=self._preempt)
             if (sigterm_at is not None and cause is None and progress.step is not None
                     and progress.step >= sigterm_at.step):
                 cause, detail = Cause.PREEMPTED, f"SIGTERM at step {progress.step} (injected {sigterm_at.spec})"
                 self.run.emit("inject.fired", index=sigterm_at.index, kind="sigterm", step=progress.step,
                               attempt=attempt, spec=sigterm_at.spec)
-                self.run.emit("preempt.requested", attempt=attempt, step=progress.step,
-                              signal="SIGTERM", grace_seconds=self._grace, reason="injected")
-                self.backend.signal_all(handle, signal.SIGTERM)
-                preempt_deadline = self.clock() + self._grace
+                preempt_deadline = self._request_save(handle, attempt, progress.step, reason="injected")
             if failed and cause is None:
                 first = failed[0]
                 last = tails[first.rank].last.step if tails[first.rank].last else None
@@ -382,6 +377,14 @@ class Supervisor:
                      "exits": {str(r): _exit_info(e) for r, e in sorted(handle.exits.items())}})
         write_json_atomic(attempt_dir / "attempt.json", info)
         return Outcome(cause, committed_before, committed_after, detail, requeue=requeue)
+
+    def _request_save(self, handle: object, attempt: int, step: int | None, *, reason: str,
+                      **fields: object) -> float:
+        """The preemption path: ask every rank to save and stop (SIGTERM); returns the SIGKILL deadline."""
+        self.run.emit("preempt.requested", attempt=attempt, step=step, signal="SIGTERM",
+                      grace_seconds=self._grace, reason=reason, **fields)
+        self.backend.signal_all(handle, signal.SIGTERM)
+        return self.clock() + self._grace
 
     def _exclude(self, nodes: list[str]) -> bool:
         """Keep failed nodes out of the next step; True when too few healthy nodes are left (requeue)."""

@@ -267,9 +267,10 @@ class SlurmStepBackend:
             if node and node not in handle.failed_nodes:
                 handle.failed_nodes.append(node)
         processes = int(handle.request.env.get("RKIT_NPROCS", "1"))
-        fallback = code if code >= 0 else code
+        # Ranks srun did not name: 0 when the step succeeded, srun's own code when nothing was named,
+        # else killed because a peer failed (--kill-on-bad-exit).
         for rank in range(processes):
-            exits.setdefault(rank, RankExit(rank, 0 if code == 0 else (fallback if not exits else -signal.SIGKILL)))
+            exits.setdefault(rank, RankExit(rank, 0 if code == 0 else (code if not exits else -signal.SIGKILL)))
         return exits
 
     def running(self, handle: StepHandle) -> list[int]:
