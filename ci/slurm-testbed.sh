@@ -198,7 +198,12 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
-SlurmdTimeout=10
+# A ping round waits for its slowest node (up to MessageTimeout, and a crashed node is the slowest) before
+# it records any reply; with SlurmdTimeout=10 and the default MessageTimeout=10, a crash made slurmctld
+# declare a healthy node dead in the same round (and kill the job when it was the batch host). Keep
+# SlurmdTimeout well above ping interval (SlurmdTimeout/3) + MessageTimeout.
+SlurmdTimeout=20
+MessageTimeout=5
 SlurmctldTimeout=10
 KillWait=5
 MinJobAge=300
