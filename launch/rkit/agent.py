@@ -9,9 +9,11 @@ trainer in this very process, so signals reach it directly (SIGTERM -> Orbax's p
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from .inject import FIRED_EVENT, Injection
 from .rundir import RunDir, write_json_atomic
+from .telemetry import metrics
 from .telemetry.metrics import MetricsTail
 
 
@@ -79,26 +82,88 @@ def _act(inj: Injection, step: int) -> None:
     sys.stderr.flush()
     if inj.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if inj.kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; the process lives on, silent
+        return
     os._exit(inj.code)
 
 
-def arm_injections(ctx: AgentContext, poll_seconds: float = 0.01) -> threading.Thread | None:
-    """Watch this rank's own metrics file; when a step at or past the target is written, fire."""
-    if not ctx.injections:
-        return None
-    tail = MetricsTail(ctx.run.metrics_file(ctx.rank))
-    tail.skip_existing()
-    targets = sorted(ctx.injections, key=lambda i: i.step)
+def arm_stack_dumps(ctx: AgentContext) -> Path:
+    """SIGQUIT -> every thread's Python stack into attempts/<n>/stacks/rank-<r>.txt (the hang path asks for it).
+    faulthandler writes from the signal handler itself, so it works while the main thread is stuck in C."""
+    path = ctx.run.attempt_dir(ctx.attempt) / "stacks" / f"rank-{ctx.rank}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    global _STACKS_FILE  # faulthandler keeps only the descriptor: the file object must stay alive
+    _STACKS_FILE = open(path, "a")  # noqa: SIM115
+    faulthandler.register(signal.SIGQUIT, file=_STACKS_FILE, all_threads=True)
+    return path
 
-    def watch() -> None:
+
+_STACKS_FILE = None
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+class StepSampler:
+    """What MaxText's metrics line lacks: the device's peak (for MFU), device memory, host RSS."""
+
+    def __init__(self) -> None:
+        self._device = None
+        self.peak: float | None = None
+        self._statm = "/proc/self/statm"
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def _first_device(self):
+        if self._device is None:
+            import jax  # already imported and initialised by MaxText when its first metrics line exists
+
+            self._device = jax.local_devices()[0]
+            self.peak = metrics.peak_tflops(getattr(self._device, "device_kind", None))
+        return self._device
+
+    def device_memory(self) -> tuple[int | None, int | None]:
+        try:
+            stats = self._first_device().memory_stats() or {}
+        except Exception:  # noqa: BLE001 - backends without memory stats (CPU) or a failing plugin: absent
+            return None, None
+        return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
+
+    def host_rss(self) -> int | None:
+        try:
+            with open(self._statm) as fh:
+                return int(fh.read().split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+def pump_metrics(ctx: AgentContext, poll_seconds: float = 0.05) -> threading.Thread:
+    """Follow MaxText's metrics file for this rank and attempt; append one rkit line per step to
+    metrics/<rank>.jsonl (one write each); fire this rank's injections when their step is reached."""
+    tail = MetricsTail(ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank))
+    ctx.run.metrics_dir.mkdir(parents=True, exist_ok=True)
+    ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank).parent.mkdir(parents=True, exist_ok=True)
+    targets = sorted(ctx.injections, key=lambda i: i.step)
+    sampler = StepSampler()
+    node = node_name()
+
+    def pump() -> None:
+        fd = os.open(ctx.run.metrics_file(ctx.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         while True:
-            for m in tail.poll():
-                for inj in targets:
-                    if m.step >= inj.step:
-                        fire(ctx, inj, m.step)
+            for raw in tail.poll_raw():
+                line = metrics.enrich(raw, t=time.time(), attempt=ctx.attempt, rank=ctx.rank, node=node,
+                                      peak=sampler.peak, device_memory=sampler.device_memory(),
+                                      host_rss=sampler.host_rss())
+                if line is None:
+                    continue
+                os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
+                for inj in [i for i in targets if line["step"] >= i.step]:
+                    targets.remove(inj)  # once per attempt (a hung rank that is continued must not re-fire)
+                    fire(ctx, inj, line["step"])
             time.sleep(poll_seconds)
 
-    thread = threading.Thread(target=watch, name="rkit-inject", daemon=True)
+    thread = threading.Thread(target=pump, name="rkit-metrics", daemon=True)
     thread.start()
     return thread
 
@@ -136,7 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     ctx.run.emit("agent.started", attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())
     init_distributed(ctx)
     write_env_manifest(ctx)
-    arm_injections(ctx)
+    from .telemetry.node import start_node_services  # health sampler + exporter; local rank 0 of a node only
+
+    start_node_services(ctx.run, ctx.attempt)
+    arm_stack_dumps(ctx)
+    pump_metrics(ctx)
     watch_preempt_request(ctx)
 
     from absl import app
@@ -144,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from .trainers.maxtext import rank_overrides, resolve_base_config
 
-    argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides, *rank_overrides(ctx.run, ctx.rank)]
+    argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
+            *rank_overrides(ctx.run, ctx.attempt, ctx.rank)]
     app.run(train.main, argv=argv)
 
 

@@ -2,6 +2,8 @@
 
 kill:rank=R,step=S          SIGKILL rank R once it has completed step S
 exit:rank=R,step=S,code=C   rank R exits with code C (default 1) at step S
+hang:rank=R,step=S          rank R stops (SIGSTOP of its process) at step S: it keeps existing but never
+                            advances, so the supervisor's hang detection has to notice, dump and replace it
 sigterm:step=S              the preemption path: the supervisor asks every rank to save (SIGTERM),
                             waits the grace period, SIGKILLs what is left, and starts a new attempt
 Add `repeat=true` to fire in every attempt (a deterministic failure); by default an injection fires once.
@@ -13,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 from .errors import RkitError
 
-KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "sigterm": {"step"}}
-REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "sigterm": {"step"}}
+KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
+REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
 FIRED_EVENT = "inject.fired"
 
 
@@ -30,8 +32,8 @@ class Injection:
 
     @property
     def in_trainer(self) -> bool:
-        """kill and exit act inside the rank's own process; sigterm is the supervisor's preemption path."""
-        return self.kind in ("kill", "exit")
+        """kill, exit and hang act inside the rank's own process; sigterm is the supervisor's preemption path."""
+        return self.kind in ("kill", "exit", "hang")
 
     def as_dict(self) -> dict:
         return asdict(self)

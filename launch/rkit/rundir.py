@@ -75,6 +75,10 @@ class RunDir:
     def metrics_file(self, rank: int) -> Path:
         return self.metrics_dir / f"{rank}.jsonl"
 
+    def maxtext_metrics_file(self, attempt: int, rank: int) -> Path:
+        """MaxText's own metrics_file for one rank of one attempt (the agent turns it into metrics_file)."""
+        return self.attempt_dir(attempt) / "maxtext" / f"metrics-{rank}.jsonl"
+
     def attempt_dir(self, attempt: int) -> Path:
         return self.attempts_dir / str(attempt)
 

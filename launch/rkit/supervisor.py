@@ -22,6 +22,7 @@ from .inject import Injection, pending
 from .rundir import RunDir, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
 from .trainers import maxtext
+from .watchdog import HangPolicy, HangWatch
 
 
 class RunState(enum.Enum):
@@ -45,13 +46,15 @@ class Cause(enum.Enum):
     TASK_SIGNAL = "task_signal"      # a rank was killed by a signal
     PREEMPTED = "preempted"          # we asked for a save (SIGTERM) on a preemption / time-limit signal
     NODE_FAIL = "node_fail"          # a node of the step died (Slurm's view of the step)
+    HANG = "hang"                    # a rank made no step progress within the hang timeout
     INCOMPLETE = "incomplete"        # every rank exited 0 but the final step is not committed
     INTERRUPTED = "interrupted"      # the user stopped the run (Ctrl-C)
     LAUNCH_ERROR = "launch_error"    # the processes could not be started
+    LOST = "lost"                    # the attempt's supervisor died with it (batch host lost, machine lost)
 
     @property
     def infrastructure(self) -> bool:
-        return self in (Cause.PREEMPTED, Cause.NODE_FAIL)
+        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST)
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,7 @@ class Supervisor:
     clock: Callable[[], float] = time.monotonic
     _interrupted: bool = field(default=False, init=False)
     _preempt: str | None = field(default=None, init=False)
+    _step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
 
     # ------------------------------------------------------------ signals
 
@@ -216,16 +220,19 @@ class Supervisor:
             self.run.emit("run.finished", reason="the final step was already committed; nothing to run",
                           committed_step=progress.committed)
             return RunState.FINISHED
+        lost = self._lost_attempt(events)
+        if lost is not None:
+            decision, tally = decide(tally, lost[1], budgets, False)
+            self._record_end(lost[0], lost[1], decision, tally)
+            if decision.action is Action.GIVE_UP:
+                self.run.emit("run.gave_up", reason=decision.reason, committed_step=lost[1].committed_after)
+                return RunState.GAVE_UP
         while True:
             self.check_image()
             outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
             final = self.final_committed()
             decision, tally = decide(tally, outcome, budgets, final)
-            self.run.emit("attempt.ended", attempt=progress.attempt, cause=outcome.cause.value,
-                          detail=outcome.detail, committed_step=outcome.committed_after,
-                          decision=decision.action.value, reason=decision.reason,
-                          tally={"training_failures": tally.training_failures, "infra_failures": tally.infra_failures,
-                                 "stalled": tally.stalled, "stalled_details": list(tally.stalled_details)})
+            self._record_end(progress.attempt, outcome, decision, tally)
             if decision.action is Action.FINISH:
                 self.run.emit("run.finished", reason=decision.reason, committed_step=outcome.committed_after)
                 return RunState.FINISHED
@@ -239,6 +246,28 @@ class Supervisor:
                 self.run.emit("job.requeue_requested", reason=decision.reason,
                               committed_step=outcome.committed_after, excluded=list(self.excluded()))
                 return RunState.REQUEUED
+
+    def _record_end(self, attempt: int, outcome: Outcome, decision: Decision, tally: Tally) -> None:
+        self.run.emit("attempt.ended", attempt=attempt, cause=outcome.cause.value, detail=outcome.detail,
+                      committed_step=outcome.committed_after, decision=decision.action.value, reason=decision.reason,
+                      tally={"training_failures": tally.training_failures, "infra_failures": tally.infra_failures,
+                             "stalled": tally.stalled, "stalled_details": list(tally.stalled_details)})
+
+    def _lost_attempt(self, events: list[dict]) -> tuple[int, Outcome] | None:
+        """An attempt that started and never ended: its supervisor died with it (Slurm requeued the job after
+        the batch host failed, or the machine was lost). It counts against the infrastructure budget."""
+        started = [e for e in events if e.get("event") == "attempt.started"]
+        if not started:
+            return None
+        attempt = started[-1]["attempt"]
+        if any(e.get("event") == "attempt.ended" and e.get("attempt") == attempt for e in events):
+            return None
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+        how = (f"node failure: Slurm requeued the job (SLURM_RESTART_COUNT={restarts})" if restarts != "0"
+               else "the supervisor was killed or its machine was lost")
+        return attempt, Outcome(Cause.LOST, started[-1].get("resume_from_step"),
+                                maxtext.latest_committed_step(self.run),
+                                f"attempt {attempt} ended with its supervisor ({how})")
 
     def check_image(self) -> None:
         """The SIF must be the one the run was stamped with: never silently run different software."""
@@ -299,6 +328,8 @@ class Supervisor:
                       nodes=info["nodes"], processes=self.processes, injections=info["injections"])
 
         first_step_seen = False
+        watch = HangWatch(HangPolicy.from_resolved(self.resolved), ranks=list(range(self.processes)),
+                          started=self.clock(), step_times=self._step_times)
         requeue = False
         cause: Cause | None = None
         detail = ""
@@ -306,6 +337,7 @@ class Supervisor:
         while True:
             for rank, tail in tails.items():
                 for m in tail.poll():
+                    watch.progress(rank, m.step, m.step_time, self.clock())
                     progress.step = m.step if rank == 0 or progress.step is None else max(progress.step, m.step)
                     if rank == 0 and m.tokens_per_sec_per_device:
                         progress.tokens_per_sec = m.tokens_per_sec_per_device * self.processes
@@ -337,6 +369,11 @@ class Supervisor:
                 self.run.emit("inject.fired", index=sigterm_at.index, kind="sigterm", step=progress.step,
                               attempt=attempt, spec=sigterm_at.spec)
                 preempt_deadline = self._request_save(handle, attempt, progress.step, reason="injected")
+            hang = watch.check(self.clock()) if cause is None and not failed else None
+            if hang is not None:
+                cause = Cause.HANG
+                detail = self._end_hung_attempt(handle, attempt, hang, info["nodes"])
+                break
             if failed and cause is None:
                 first = failed[0]
                 last = tails[first.rank].last.step if tails[first.rank].last else None
@@ -378,6 +415,21 @@ class Supervisor:
         write_json_atomic(attempt_dir / "attempt.json", info)
         return Outcome(cause, committed_before, committed_after, detail, requeue=requeue)
 
+    def _end_hung_attempt(self, handle: object, attempt: int, hang: object, nodes: list[str]) -> str:
+        """Stack dumps where possible, then SIGTERM, a short grace, SIGKILL. Returns the failure detail."""
+        stopped = self.backend.stopped_ranks(handle)
+        ranks = sorted(hang.ranks, key=lambda r: (r not in stopped, hang.ranks.index(r)))
+        rank = ranks[0]
+        self.run.emit("attempt.hang", attempt=attempt, rank=rank, ranks=ranks, stopped_ranks=stopped,
+                      node=nodes[0] if len(nodes) == 1 else None, last_step=hang.last_steps.get(rank),
+                      seconds_silent=hang.seconds_silent, timeout=hang.timeout)
+        dumps = self.backend.dump_stacks(handle, self.run.attempt_dir(attempt) / "stacks")
+        self.run.emit("attempt.stacks_dumped", attempt=attempt, how=dumps)
+        # A hung collective does not save: a short grace, not the preemption one.
+        self.backend.stop(handle, grace=min(self._grace, HANG_GRACE_SECONDS))
+        return (f"hang: rank {rank} made no step progress for {hang.seconds_silent:.0f} s (timeout "
+                f"{hang.timeout:.0f} s, last step {_fmt(hang.last_steps.get(rank))})")
+
     def _request_save(self, handle: object, attempt: int, step: int | None, *, reason: str,
                       **fields: object) -> float:
         """The preemption path: ask every rank to save and stop (SIGTERM); returns the SIGKILL deadline."""
@@ -401,6 +453,9 @@ class Supervisor:
     @property
     def _grace(self) -> float:
         return float(self.resolved["resilience"]["signal_grace_seconds"])
+
+
+HANG_GRACE_SECONDS = 10.0
 
 
 def _exit_info(e: RankExit) -> dict:

@@ -173,3 +173,53 @@ def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu
     assert squeue(cluster, job_of(run)) == ""  # the job does not linger in the queue
     text = rkit("status", str(run.path), env=cluster, check=0).stdout
     assert "gave up: crash loop" in text and f"job {job_of(run)}" in text
+
+
+def crash_when_at_step(cluster, run: RunDir, step: int, which: int) -> tuple[str, float]:
+    """Crash node `which` of attempt 1's step once rank 0 is past `step`; returns the node and the time."""
+    wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= step, 600,
+               f"step {step}")
+    victim = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["nodes"][which]
+    crashed_at = time.time()
+    subprocess.run([str(TESTBED), "crash", victim], check=True, capture_output=True)
+    return victim, crashed_at
+
+
+def test_node_crash_without_a_spare_requeues_the_job_without_that_node(cluster, slurm_workspace, cpu_image,
+                                                                       clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "nospare", cpu_image, "-o", "slurm.spare_nodes=0")
+    victim, _ = crash_when_at_step(cluster, run, 25, which=1)
+    try:
+        wait_finished(cluster, run)
+    finally:
+        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    events = run.events()
+    failed = next(e for e in events if e["event"] == "attempt.failed")
+    assert failed["cls"] == "node_fail" and victim in failed["lost_nodes"]
+    requeue = next(e for e in events if e["event"] == "job.requeue_requested")
+    assert victim in requeue["excluded"]
+    restarted = [e for e in events if e["event"] == "job.started"]
+    assert [e["restart_count"] for e in restarted][:2] == [0, 1] and victim in restarted[1]["excluded"]
+    assert victim not in restarted[1]["allocation"]  # Slurm kept the dead node out of the new allocation
+    second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
+    assert victim not in second["launch"]["nodes"] and second["resume_from_step"] >= 10
+    assert final_loss(run) == final_loss(clean_run)
+
+
+def test_batch_host_crash_slurm_requeues_and_the_run_continues(cluster, slurm_workspace, cpu_image,
+                                                               clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "batchhost", cpu_image, "-o", "slurm.spare_nodes=0")
+    victim, crashed_at = crash_when_at_step(cluster, run, 25, which=0)  # the batch script and the supervisor
+    try:
+        s = wait_finished(cluster, run)
+    finally:
+        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    events = run.events()
+    restarted = [e for e in events if e["event"] == "job.started"]
+    assert restarted[0]["batch_host"] != restarted[1]["batch_host"] or victim not in restarted[1]["allocation"]
+    assert [e["restart_count"] for e in restarted][:2] == [0, 1]  # Slurm's own requeue (NODE_FAIL)
+    started = [e for e in events if e["event"] == "attempt.started"]
+    assert [e["attempt"] for e in started][:2] == [1, 2] and started[1]["resume_from_step"] >= 10
+    first = next(e for e in events if e["event"] == "attempt.first_step" and e["attempt"] == 2)
+    print(f"batch host crash -> first resumed step: {first['t'] - crashed_at:.1f} s")
+    assert s["state"] == "finished" and final_loss(run) == final_loss(clean_run)

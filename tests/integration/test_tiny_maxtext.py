@@ -115,6 +115,9 @@ def test_fault_then_resume_matches_uninterrupted_loss(workspace, baseline, name,
     last_before = lines[restart_at - 1]  # rank 0's last step of attempt 1 (it may be one past rank 1's)
     assert last_before >= failed[0]["last_step"] and lines[restart_at] == resumed_from + 1
     assert [s for s, m in view.items() if m["recomputed"]] == list(range(resumed_from + 1, last_before + 1))
+    assert list(view) == list(range(30))  # exactly one line per step in the merged view
+    assert all(view[s]["attempt"] == (2 if s > resumed_from else 1) for s in view)  # the newest attempt wins
+    assert all(m["host_rss_bytes"] > 0 and m["node"] and m["step_time"] > 0 for m in view.values())
     s = status_json(run)
     assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == [cls, "completed"]
 
@@ -189,3 +192,23 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(workspace: Path, baseline: Run
     rkit("run", str(TINY), "-o", "name=interrupted", *SHORT, "--resume", cwd=workspace, env=ENV, check=0)
     assert final_loss(run) == final_loss(baseline)
     assert status_json(run)["state"] == "finished"
+
+
+def test_hang_is_detected_dumped_and_replaced(workspace: Path, baseline: RunDir):
+    # rank 1 stops (SIGSTOP) at step 15; rank 0 then blocks in its next collective: nothing advances.
+    run = run_tiny(workspace, "hang", "--inject", "hang:rank=1,step=15", "-o", "resilience.hang_timeout=10")
+    fired = events(run, "inject.fired")
+    hang = events(run, "attempt.hang")
+    assert len(fired) == 1 and len(hang) == 1
+    assert hang[0]["rank"] == 1 and hang[0]["stopped_ranks"] == [1] and hang[0]["timeout"] == 10
+    latency = hang[0]["t"] - fired[0]["t"]
+    print(f"hang detection latency: {latency:.1f} s (timeout 10 s)")
+    assert 10 <= latency < 10 + 5
+    stacks = (run.attempt_dir(1) / "stacks" / "rank-1.txt").read_text()
+    assert "Thread 0x" in stacks or "Current thread" in stacks  # faulthandler's dump of every thread
+    ended = events(run, "attempt.ended")
+    assert ended[0]["cause"] == "hang" and ended[0]["decision"] == "restart" and "rank 1" in ended[0]["reason"]
+    assert ended[0]["tally"]["infra_failures"] == 1 and ended[0]["tally"]["training_failures"] == 0
+    assert final_loss(run) == final_loss(baseline)
+    s = status_json(run)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["hang", "completed"]

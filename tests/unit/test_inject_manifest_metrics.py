@@ -9,7 +9,7 @@ from rkit import manifest
 from rkit.errors import RkitError
 from rkit.inject import parse_injection, parse_injections, pending
 from rkit.rundir import RunDir
-from rkit.telemetry.metrics import MetricsTail, merged, repair_tail
+from rkit.telemetry.metrics import MetricsTail, enrich, merged, peak_tflops, ranks, repair_tail
 from rkit.trainers.maxtext import committed_steps, latest_committed_step
 
 
@@ -132,3 +132,43 @@ def test_diff_views_groups_and_identity():
     assert "packages" not in result["groups"] and result["groups"]["run"][0]["key"] == "name"
     same = manifest.diff_views(a, dict(a, run={"name": "c"}))
     assert same["identical"] and list(same["groups"]) == ["run"]
+
+
+def test_hang_injection_acts_in_the_trainer():
+    hang = parse_injection("hang:rank=1,step=30")
+    assert (hang.kind, hang.rank, hang.step, hang.in_trainer) == ("hang", 1, 30, True)
+    with pytest.raises(RkitError, match="missing rank"):
+        parse_injection("hang:step=3")
+
+
+def test_enrich_turns_a_maxtext_line_into_an_rkit_line():
+    raw = {"step": 7, "learning/loss": 5.5, "perf/step_time_seconds": 0.25, "perf/per_device_tokens_per_sec": 512.0,
+           "perf/per_device_tflops": 494.5, "learning/grad_norm": 1.0}
+    line = enrich(raw, t=1000.0, attempt=2, rank=1, node="n 1", peak=peak_tflops("NVIDIA H200"),
+                  device_memory=(10, 20), host_rss=30)
+    assert line == {"t": 1000.0, "attempt": 2, "rank": 1, "node": "n 1", "step": 7, "loss": 5.5, "step_time": 0.25,
+                    "tokens_per_sec_per_device": 512.0, "tflops_per_device": 494.5, "mfu": 0.5,
+                    "device_memory_bytes": 10, "device_memory_peak_bytes": 20, "host_rss_bytes": 30}
+    assert enrich({"loss": 1.0}, t=0, attempt=1, rank=0, node="x", peak=None, device_memory=(None, None),
+                  host_rss=None) is None
+    cpu = enrich(raw, t=0, attempt=1, rank=0, node="x", peak=peak_tflops("cpu"), device_memory=(None, None),
+                 host_rss=None)
+    assert cpu["mfu"] is None  # no peak for the device: no MFU rather than a guess
+
+
+@pytest.mark.parametrize("kind, peak", [("NVIDIA H200", 989.0), ("AMD Instinct MI300X", 1307.4),
+                                        ("AMD Instinct MI250X", 383.0), ("TFRT_CPU_0", None), (None, None)])
+def test_peak_tflops_by_device_kind(kind, peak):
+    assert peak_tflops(kind) == peak
+
+
+def test_merged_view_of_rkit_lines_across_attempts(tmp_path: Path):
+    run = RunDir(tmp_path / "a run")
+    run.metrics_dir.mkdir(parents=True)
+    rows = [(1, 0, 5.0), (1, 1, 4.0), (1, 2, 3.0), (2, 1, 4.1), (2, 2, 3.1), (2, 3, 2.0)]
+    run.metrics_file(0).write_text("".join(json.dumps({"t": i, "attempt": a, "rank": 0, "node": "n", "step": s,
+                                                       "loss": loss}) + "\n" for i, (a, s, loss) in enumerate(rows)))
+    view = merged(run)
+    assert [(s, v["attempt"], v["loss"], v["recomputed"]) for s, v in view.items()] == [
+        (0, 1, 5.0, False), (1, 2, 4.1, True), (2, 2, 3.1, True), (3, 2, 2.0, False)]
+    assert ranks(run) == [0]

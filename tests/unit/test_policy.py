@@ -86,3 +86,29 @@ def test_tally_is_replayed_from_events():
                                             (RunState.STOPPED, False), (RunState.PENDING, False)])
 def test_terminal_states(state, terminal):
     assert state.is_terminal() is terminal
+
+
+@pytest.mark.parametrize("cause", [Cause.HANG, Cause.LOST, Cause.NODE_FAIL, Cause.PREEMPTED])
+def test_hangs_and_lost_attempts_spend_the_infrastructure_budget(cause):
+    tally = Tally(training_failures=1, stalled=2, stalled_details=("a", "b"))
+    decision, tally = decide(tally, Outcome(cause, 10, 10, "x"), BUDGETS, False)
+    assert decision.action is Action.RESTART and tally.infra_failures == 1 and tally.training_failures == 1
+    assert tally.stalled == 0  # an infrastructure failure says nothing about a crash loop
+
+
+def test_an_attempt_without_an_end_is_found_as_lost(tmp_path, monkeypatch):
+    from rkit.recipe import load_recipe
+    from rkit.rundir import RunDir
+    from rkit.supervisor import Supervisor
+
+    from ..conftest import TINY
+
+    run = RunDir(tmp_path / "run 1")
+    sup = Supervisor(run=run, resolved=load_recipe(TINY).resolved, injections=[], backend=None, base_env={},
+                     jax_cache_dir=str(tmp_path))
+    run.emit("attempt.started", attempt=1, resume_from_step=None)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    attempt, outcome = sup._lost_attempt(run.events())
+    assert attempt == 1 and outcome.cause is Cause.LOST and "Slurm requeued the job" in outcome.detail
+    run.emit("attempt.ended", attempt=1, cause="lost")
+    assert sup._lost_attempt(run.events()) is None

@@ -7,6 +7,7 @@ Each rank runs in its own process group so that a stop reaches everything it sta
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,6 +163,55 @@ class LocalBackend:
 
     def nodes(self, handle: LocalAttempt) -> list[str]:
         return [socket.gethostname()]
+
+    def stopped_ranks(self, handle: LocalAttempt) -> list[int]:
+        """Live ranks with a process in the stopped state (SIGSTOP, a debugger): hung for sure."""
+        import psutil
+
+        out = []
+        for rank, proc in handle.procs.items():
+            if rank in handle.exits:
+                continue
+            try:
+                top = psutil.Process(proc.pid)
+                if any(p.status() == psutil.STATUS_STOPPED for p in (top, *top.children(recursive=True))):
+                    out.append(rank)
+            except psutil.Error:
+                continue
+        return out
+
+    def dump_stacks(self, handle: LocalAttempt, out_dir: Path) -> str:
+        """Python stacks of every live rank: py-spy when it is installed (works on a stopped process), else
+        SIGQUIT, which the agent's faulthandler turns into a dump in the rank's log. Leaves the ranks running
+        (SIGCONT), so that the SIGTERM that follows is delivered."""
+        import psutil
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        pyspy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        how = "py-spy" if pyspy else "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"
+        for rank, proc in handle.procs.items():
+            if rank in handle.exits:
+                continue
+            try:  # the agent itself, also when a container runtime started it
+                family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                target = next((p.pid for p in family if "rkit.agent" in " ".join(p.cmdline())), proc.pid)
+            except psutil.Error:
+                continue
+            if pyspy:
+                try:
+                    done = subprocess.run([pyspy, "dump", "--pid", str(target)], capture_output=True, text=True,
+                                          timeout=30, check=False)
+                    (out_dir / f"rank-{rank}.py-spy.txt").write_text(done.stdout + done.stderr)
+                    continue
+                except (OSError, subprocess.TimeoutExpired):
+                    how = "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"
+            try:
+                os.kill(target, signal.SIGQUIT)
+            except ProcessLookupError:
+                continue
+        self.signal_all(handle, signal.SIGCONT)
+        time.sleep(0.5)  # let a faulthandler dump reach the log before the SIGTERM
+        return how
 
     @staticmethod
     def _signal_group(proc: subprocess.Popen, sig: int) -> None:

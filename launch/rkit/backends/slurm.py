@@ -325,6 +325,19 @@ class SlurmStepBackend:
     def nodes(self, handle: StepHandle) -> list[str]:
         return list(handle.request.nodes)
 
+    def stopped_ranks(self, handle: StepHandle) -> list[int]:
+        return []  # the ranks' processes are on other nodes
+
+    def dump_stacks(self, handle: StepHandle, out_dir: Path) -> str:
+        """SIGQUIT to every task of the step (the agents' faulthandler dumps into the rank logs), then SIGCONT."""
+        job_id, step = os.environ.get("SLURM_JOB_ID"), self._step_id(handle)
+        if not job_id or step is None or handle.proc.poll() is not None:
+            return "none (the step is gone)"
+        for sig in ("QUIT", "CONT"):
+            subprocess.run(["scancel", f"--signal={sig}", f"{job_id}.{step}"], capture_output=True, check=False)
+        time.sleep(0.5)
+        return "faulthandler (SIGQUIT through scancel; the agents write stacks/rank-<r>.txt)"
+
 
 class NotEnoughNodes(Exception):
     def __init__(self, healthy: list[str], excluded: list[str]):

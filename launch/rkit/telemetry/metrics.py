@@ -1,4 +1,14 @@
-"""Per-step metrics: MaxText's metrics_file lines, one file per process, read incrementally or merged."""
+"""Per-step metrics, one file per process: metrics/<rank>.jsonl.
+
+The agent reads MaxText's own metrics_file (attempts/<n>/maxtext/<rank>.jsonl) as MaxText writes it and appends
+one rkit line per step to metrics/<rank>.jsonl, in one write each (a crash loses at most that line):
+
+    {"t", "attempt", "rank", "node", "step", "loss", "step_time", "tokens_per_sec_per_device",
+     "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes"}
+
+Files are appended attempt after attempt; the merged view keeps one line per step, the newest attempt's, and
+marks steps trained more than once. Readers also accept MaxText's raw lines (runs from before this format).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +16,30 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..rundir import RunDir, read_jsonl
+
+# MaxText's metrics_file keys -> rkit's
+MAXTEXT_KEYS = {"learning/loss": "loss", "perf/step_time_seconds": "step_time",
+                "perf/per_device_tokens_per_sec": "tokens_per_sec_per_device",
+                "perf/per_device_tflops": "tflops_per_device"}
+FIELDS = ("t", "attempt", "rank", "node", "step", "loss", "step_time", "tokens_per_sec_per_device",
+          "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes")
+
+# Dense bf16 peak TFLOP/s per device, for MFU (vendor data sheets). An unknown device gets no MFU rather than
+# a guess.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI300A": 980.6,
+               "MI250X": 383.0, "MI250": 362.1, "MI355X": 2516.6, "B200": 2250.0, "GH200": 989.0}
+
+
+def peak_tflops(device_kind: str | None) -> float | None:
+    """The device's peak from its JAX device_kind ("NVIDIA H200", "AMD Instinct MI300X", ...): longest match."""
+    if not device_kind:
+        return None
+    kind = device_kind.upper()
+    hits = [name for name in PEAK_TFLOPS if name in kind]
+    return PEAK_TFLOPS[max(hits, key=len)] if hits else None
 
 
 @dataclass(frozen=True)
@@ -16,32 +48,73 @@ class StepMetrics:
     loss: float | None
     step_time: float | None
     tokens_per_sec_per_device: float | None
+    attempt: int | None = None
+    t: float | None = None
 
 
-def from_line(value: dict) -> StepMetrics | None:
+def normalize(value: dict) -> dict[str, Any] | None:
+    """An rkit line as a dict of FIELDS (a MaxText raw line is translated); None if it has no step."""
     if "step" not in value:
         return None
     try:
         step = int(value["step"])
     except (TypeError, ValueError):
         return None
-    return StepMetrics(step=step, loss=value.get("learning/loss"), step_time=value.get("perf/step_time_seconds"),
-                       tokens_per_sec_per_device=value.get("perf/per_device_tokens_per_sec"))
+    line = {key: value.get(key) for key in FIELDS}
+    for raw, key in MAXTEXT_KEYS.items():
+        if line.get(key) is None and raw in value:
+            line[key] = value[raw]
+    line["step"] = step
+    return line
+
+
+def enrich(raw: dict, *, t: float, attempt: int, rank: int, node: str, peak: float | None,
+           device_memory: tuple[int | None, int | None], host_rss: int | None) -> dict[str, Any] | None:
+    """The rkit line for one MaxText metrics line (None when the line is not a step's)."""
+    line = normalize(raw)
+    if line is None:
+        return None
+    tflops = line.get("tflops_per_device")
+    line.update(t=round(t, 3), attempt=attempt, rank=rank, node=node, host_rss_bytes=host_rss,
+                device_memory_bytes=device_memory[0], device_memory_peak_bytes=device_memory[1],
+                mfu=round(tflops / peak, 6) if peak and isinstance(tflops, (int, float)) else None)
+    return line
+
+
+def from_line(value: dict) -> StepMetrics | None:
+    line = normalize(value)
+    if line is None:
+        return None
+    return StepMetrics(step=line["step"], loss=line["loss"], step_time=line["step_time"],
+                       tokens_per_sec_per_device=line["tokens_per_sec_per_device"], attempt=line["attempt"],
+                       t=line["t"])
 
 
 def read_rank(path: Path) -> list[StepMetrics]:
     return [m for m in map(from_line, read_jsonl(path)) if m is not None]
 
 
+def lines(run: RunDir, rank: int) -> list[dict[str, Any]]:
+    """Every line of one rank's file, normalized, in file order (attempts appended one after another)."""
+    return [line for line in map(normalize, read_jsonl(run.metrics_file(rank))) if line is not None]
+
+
+def ranks(run: RunDir) -> list[int]:
+    """Ranks that have a metrics file."""
+    try:
+        names = os.listdir(run.metrics_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n[:-6]) for n in names if n.endswith(".jsonl") and n[:-6].isdigit())
+
+
 def merged(run: RunDir, rank: int = 0) -> dict[int, dict]:
-    """One entry per step (the newest line wins: files are appended attempt after attempt);
-    `recomputed` marks steps that were trained more than once because of a restart."""
+    """One entry per step: the newest line wins (files are appended attempt after attempt); `recomputed` marks
+    steps that were trained more than once because of a restart."""
     view: dict[int, dict] = {}
-    for m in read_rank(run.metrics_file(rank)):
-        seen = view.get(m.step)
-        view[m.step] = {"step": m.step, "loss": m.loss, "step_time": m.step_time,
-                        "tokens_per_sec_per_device": m.tokens_per_sec_per_device,
-                        "recomputed": seen is not None}
+    for line in lines(run, rank):
+        seen = view.get(line["step"])
+        view[line["step"]] = {**line, "recomputed": seen is not None}
     return dict(sorted(view.items()))
 
 
@@ -74,11 +147,12 @@ class MetricsTail:
         except FileNotFoundError:
             self.offset = 0
 
-    def poll(self) -> list[StepMetrics]:
+    def poll_raw(self) -> list[dict]:
+        """The whole JSON objects appended since the last poll (a line still being written waits)."""
         try:
             with open(self.path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
-                if size < self.offset:  # MaxText truncates the file when it starts again from step 0
+                if size < self.offset:  # truncated (MaxText empties its file when it starts from step 0)
                     self.offset, self._partial = 0, b""
                 fh.seek(self.offset)
                 chunk = fh.read()
@@ -86,16 +160,20 @@ class MetricsTail:
         except FileNotFoundError:
             return []
         data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
+        parts = data.split(b"\n")
+        self._partial = parts.pop()
         out = []
-        for line in lines:
+        for part in parts:
             try:
-                value = json.loads(line)
+                value = json.loads(part)
             except ValueError:
                 continue
-            m = from_line(value) if isinstance(value, dict) else None
-            if m is not None:
-                out.append(m)
-                self.last = m
+            if isinstance(value, dict):
+                out.append(value)
+        return out
+
+    def poll(self) -> list[StepMetrics]:
+        out = [m for m in map(from_line, self.poll_raw()) if m is not None]
+        if out:
+            self.last = out[-1]
         return out

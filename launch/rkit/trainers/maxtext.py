@@ -49,9 +49,10 @@ def maxtext_overrides(resolved: dict, run: RunDir, jax_cache_dir: str) -> list[s
     return args
 
 
-def rank_overrides(run: RunDir, rank: int) -> list[str]:
-    """The per-process part: one metrics file per rank (two ranks writing one file lose lines)."""
-    return [f"metrics_file={run.metrics_file(rank).resolve()}"]
+def rank_overrides(run: RunDir, attempt: int, rank: int) -> list[str]:
+    """The per-process part: MaxText's metrics file, one per rank and attempt (two ranks writing one file lose
+    lines; MaxText truncates it when it starts from step 0). The agent turns it into metrics/<rank>.jsonl."""
+    return [f"metrics_file={run.maxtext_metrics_file(attempt, rank).resolve()}"]
 
 
 def final_step(resolved: dict) -> int:

@@ -1,0 +1,97 @@
+"""Hang detection policy (rkit.watchdog): the timeout it allows at each point of an attempt, on an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from rkit.recipe import load_recipe
+from rkit.watchdog import HangPolicy, HangWatch
+
+from ..conftest import TINY
+
+
+def policy(**kw) -> HangPolicy:
+    base = dict(explicit=None, enabled=True, floor=60.0, factor=10.0, startup=600.0, checkpoint_period=10)
+    base.update(kw)
+    return HangPolicy(**base)
+
+
+def test_defaults_come_from_the_schema():
+    p = HangPolicy.from_resolved(load_recipe(TINY).resolved)
+    assert (p.explicit, p.enabled, p.floor, p.factor, p.startup, p.checkpoint_period) == (None, True, 60, 10, 600, 10)
+
+
+@pytest.mark.parametrize("value, explicit, enabled", [("auto", None, True), (15, 15.0, True), (None, None, False)])
+def test_hang_timeout_values(value, explicit, enabled):
+    resolved = load_recipe(TINY, overrides=[f"resilience.hang_timeout={'null' if value is None else value}"]).resolved
+    p = HangPolicy.from_resolved(resolved)
+    assert (p.explicit, p.enabled) == (explicit, enabled)
+
+
+def test_start_up_allowance_before_the_first_step():
+    w = HangWatch(policy(), ranks=[0, 1], started=1000.0)
+    assert w.check(1599.0) is None
+    hang = w.check(1601.0)
+    assert hang is not None and hang.ranks == [0, 1] and hang.timeout == 600 and hang.last_steps == {0: None, 1: None}
+
+
+def test_auto_learns_from_the_median_step_time_with_a_floor():
+    w = HangWatch(policy(), ranks=[0, 1], started=0.0)
+    for step in range(1, 6):
+        for rank in (0, 1):
+            w.progress(rank, step, 0.5, now=float(step))
+    assert w.timeout_for(0) == 60  # 10 x 0.5 s is under the floor
+    slow = HangWatch(policy(), ranks=[0], started=0.0)
+    for step in range(1, 6):
+        slow.progress(0, step, 12.0, now=step * 12.0)
+    assert slow.timeout_for(0) == 120  # 10 x median 12 s
+
+
+def test_checkpoint_steps_get_twice_the_allowance():
+    w = HangWatch(policy(), ranks=[0], started=0.0)
+    w.progress(0, 19, 1.0, now=10.0)  # the next step, 20, saves
+    assert w.timeout_for(0) == 120
+    w.progress(0, 23, 1.0, now=11.0)
+    assert w.timeout_for(0) == 60
+
+
+def test_explicit_timeout_applies_after_the_first_step():
+    w = HangWatch(policy(explicit=15.0), ranks=[0, 1], started=0.0)
+    assert w.timeout_for(0) == 600
+    w.progress(0, 1, 0.1, now=20.0)
+    w.progress(1, 1, 0.1, now=20.0)
+    w.progress(0, 2, 0.1, now=21.0)
+    assert w.check(34.9) is None
+    hang = w.check(35.5)  # rank 1 silent 15.5 s
+    assert hang is not None and hang.ranks == [1] and hang.timeout == 15
+
+
+def test_a_rank_that_stops_advancing_is_hung_even_when_others_move():
+    w = HangWatch(policy(explicit=15.0), ranks=[0, 1], started=0.0)
+    for t in range(1, 40):
+        w.progress(0, t, 0.1, now=float(t))
+    w.progress(1, 1, 0.1, now=1.0)
+    hang = w.check(40.0)
+    assert hang is not None and hang.ranks == [1] and hang.last_steps == {1: 1} and hang.seconds_silent == 39.0
+
+
+def test_a_repeated_step_is_not_progress():
+    w = HangWatch(policy(explicit=15.0), ranks=[0], started=0.0)
+    w.progress(0, 5, 0.1, now=1.0)
+    w.progress(0, 5, 0.1, now=10.0)  # the same step again (a recomputed line) does not reset the clock
+    assert w.check(16.5) is not None
+
+
+def test_disabled_never_fires():
+    w = HangWatch(policy(enabled=False), ranks=[0], started=0.0)
+    assert w.check(1e9) is None
+
+
+def test_the_learned_step_times_carry_over_between_attempts():
+    times: list[float] = []
+    first = HangWatch(policy(), ranks=[0], started=0.0, step_times=times)
+    for step in range(1, 4):
+        first.progress(0, step, 30.0, now=step * 30.0)
+    second = HangWatch(policy(), ranks=[0], started=200.0, step_times=times)
+    second.progress(0, 4, None, now=210.0)
+    assert second.timeout_for(0) == 300
