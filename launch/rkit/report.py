@@ -1,14 +1,20 @@
-"""`rkit status`: what a run directory says about where the run is and why, read from its files alone."""
+"""`rkit status`: what a run directory says about where the run is and why, read from its files alone;
+`rkit status --watch`: the same, live."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .rundir import RunDir
 from .supervisor import RunState
-from .telemetry import metrics
+from .telemetry import goodput, metrics
+from .telemetry.stragglers import straggler_events
 from .trainers import maxtext
 
 TERMINAL_EVENTS = {"run.finished": RunState.FINISHED, "run.gave_up": RunState.GAVE_UP,
@@ -94,6 +100,11 @@ def status(run: RunDir) -> dict[str, Any]:
     done_steps = (current + 1) if current is not None else 0
     eta = (total - done_steps) * step_time if state is RunState.RUNNING and step_time else None
     final_loss = steps[-1]["loss"] if steps else None
+    # A live run's open session ends now; a finished or stopped one ends at its last record.
+    now = time.time() if state in (RunState.RUNNING, RunState.PENDING) else None
+    lost = goodput.compute(events, goodput.run_lines(run, events),
+                           checkpoint_period=(resolved.get("checkpoint") or {}).get("period"), now=now)
+    table = attempts(events)
     return {
         "name": run.name,
         "path": str(run.path),
@@ -110,9 +121,13 @@ def status(run: RunDir) -> dict[str, Any]:
         "elapsed_seconds": round(ended - started, 1) if started else None,
         "eta_seconds": round(eta, 1) if eta is not None else None,
         "recomputed_steps": sum(1 for s in steps if s["recomputed"]),
-        "attempts": attempts(events),
+        "attempts": table,
         "injections": [e.get("spec") for e in events if e.get("event") == "inject.fired"],
         "slurm": slurm,
+        "goodput": lost.as_dict(top=3),
+        "stragglers": straggler_events(events),
+        "last_event": events[-1] if events else None,
+        "nodes": node_states(run, table[-1] if table else None, time.time()),
     }
 
 
@@ -132,6 +147,10 @@ def render_status(s: dict[str, Any]) -> str:
     lines.append(f"time       elapsed {_num(s['elapsed_seconds'])} s" +
                  (f", ETA {_num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
     lines.append(f"config     {s['config_hash']}")
+    lines.append(f"goodput    {render_goodput(s['goodput'])}")
+    for st in s["stragglers"]:
+        lines.append(f"straggler  {st['node']} in attempt {st['attempt']}: median step time "
+                     f"{_num(st['ratio'], '{:.2f}')}x the other nodes'")
     if s.get("slurm"):
         j = s["slurm"]
         lines.append(f"slurm      job {j['job_id']} {j['state']}, nodes {j['nodes'] or '-'}, excluded "
@@ -149,6 +168,14 @@ def render_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_goodput(g: dict[str, Any]) -> str:
+    """Goodput in one line, e.g. `87.2% of 120.3 s; lost: start-up and compilation 9.1 s, ...` (top losses)."""
+    if g["goodput"] is None:
+        return "-"
+    losses = ", ".join(f"{x['label']} {x['seconds']:.1f} s" for x in g["top_losses"])
+    return f"{g['goodput']:.1%} of {g['wall_seconds']:.1f} s" + (f"; lost: {losses}" if losses else "")
+
+
 def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
     """`rkit run --wait`: print progress lines until the run reaches a final state and its job left the queue."""
     last = None
@@ -163,6 +190,116 @@ def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
         if s["state"] in ("finished", "gave up", "interrupted", "stopped") and slurm_done:
             return RunState(s["state"])
         time.sleep(poll_seconds)
+
+
+FINAL_STATES = ("finished", "gave up", "interrupted", "stopped")
+
+
+def _last_jsonl_line(path: Path, tail_bytes: int = 65536) -> dict | None:
+    """The newest whole line of a JSONL file, read from its end: metrics and telemetry files grow for days."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            chunk = fh.read()
+    except OSError:
+        return None
+    for raw in reversed(chunk.split(b"\n")):
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float) -> list[dict[str, Any]]:
+    """Per node of the current attempt: the ranks that reported a step in it, their newest step, and the age of
+    the node's newest health sample (telemetry/<node>.jsonl). Reads only the ends of the files."""
+    if attempt is None:
+        return []
+    nodes = [str(n) for n in attempt.get("nodes") or []]
+    rows = {n: {"node": n, "ranks": [], "last_step": None, "telemetry_age_seconds": None} for n in nodes}
+    for rank in metrics.ranks(run):
+        raw = _last_jsonl_line(run.metrics_file(rank))
+        line = metrics.normalize(raw) if raw else None
+        if line is None or (line.get("attempt") is not None and line["attempt"] != attempt["attempt"]):
+            continue  # nothing from this rank in this attempt yet
+        # MaxText's raw lines name no node: on a one-node attempt it can only be that node.
+        node = str(line.get("node") or (nodes[0] if len(nodes) == 1 else "?"))
+        row = rows.setdefault(node, {"node": node, "ranks": [], "last_step": None, "telemetry_age_seconds": None})
+        row["ranks"].append(rank)
+        row["last_step"] = line["step"] if row["last_step"] is None else max(row["last_step"], line["step"])
+    for row in rows.values():
+        sample = _last_jsonl_line(run.path / "telemetry" / f"{row['node']}.jsonl")
+        if sample and isinstance(sample.get("t"), (int, float)):
+            row["telemetry_age_seconds"] = round(now - sample["t"], 1)
+    return list(rows.values())
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def render_watch(s: dict[str, Any], now: float) -> Any:
+    """One frame of `rkit status --watch` (a rich renderable): progress with ETA, speed, nodes, last event."""
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    done = 0 if s["step"] is None else s["step"] + 1
+    head = Text.assemble((s["name"], "bold"), f"  {s['state']}",
+                         f": {s['reason']}" if s["reason"] and s["state"] != "running" else "")
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=max(s["total_steps"], 1), completed=done, width=40),
+                f"step {done}/{s['total_steps']}", f"ETA {_duration(s['eta_seconds'])}",
+                f"{_num(s['tokens_per_sec'], '{:,.0f}')} tokens/s",
+                f"committed {_num(s['last_committed_step'], '{}')}", f"attempt {len(s['attempts']) or '-'}")
+    nodes = Table(box=None, padding=(0, 2), show_edge=False)
+    for column in ("node", "ranks", "last step", "telemetry sample"):
+        nodes.add_column(column)
+    for row in s["nodes"]:
+        age = row["telemetry_age_seconds"]
+        nodes.add_row(row["node"], ",".join(map(str, row["ranks"])) or "-", _num(row["last_step"], "{}"),
+                      "-" if age is None else f"{age:.0f} s ago")
+    parts: list[Any] = [head, bar, nodes, Text(f"goodput  {render_goodput(s['goodput'])}")]
+    parts.extend(Text(f"straggler  {st['node']} (attempt {st['attempt']}): {_num(st['ratio'], '{:.2f}')}x",
+                      style="yellow") for st in s["stragglers"])
+    last = s.get("last_event")
+    if last:
+        fields = " ".join(f"{k}={v}" for k, v in sorted(last.items()) if k not in ("t", "event")
+                          and isinstance(v, (str, int, float)))
+        parts.append(Text(f"last event  {now - last['t']:.0f} s ago: {last['event']} {fields}"[:300]))
+    return Group(*parts)
+
+
+def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callable[[], float] = time.time,
+          sleep: Callable[[float], None] = time.sleep) -> RunState:
+    """`rkit status --watch`: redraw the run's state every `interval` seconds until it ends or Ctrl-C."""
+    from rich.console import Console
+    from rich.live import Live
+
+    s = status(run)
+    console = console or Console()
+    with Live(render_watch(s, clock()), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                live.update(render_watch(s, clock()), refresh=True)
+                slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
+                if s["state"] in FINAL_STATES and slurm_done:
+                    break
+                sleep(interval)
+                s = status(run)
+        except KeyboardInterrupt:
+            pass
+    if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's
+        console.line()
+    return RunState(s["state"])
 
 
 def print_log(run: RunDir, *, rank: int, attempt: int | None, follow: bool, echo) -> None:

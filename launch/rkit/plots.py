@@ -1,0 +1,295 @@
+"""`rkit report`: PNG plots of a run against wall-clock time (loss, tokens/s, step time, goodput) and a one-page
+summary.md + summary.html, written into <run>/report/ (or --out) from the run directory alone."""
+
+from __future__ import annotations
+
+import datetime
+import html
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import RkitError
+from .rundir import RunDir
+from .telemetry import goodput, metrics
+from .telemetry.stragglers import SKIP_STEPS, find_stragglers, straggler_events
+
+FAULT_EVENTS = ("inject.fired", "attempt.failed", "attempt.hang", "preempt.requested", "preempt.saved",
+                "preempt.unsaved", "preempt.escalated", "nodes.excluded", "job.requeued", "disk.low",
+                "node.straggler", "attempt.no_nodes")
+PLOTS = {"loss": "loss", "tokens_per_sec": "tokens/s (all processes)", "step_time": "step time (s)"}
+
+
+@dataclass
+class Series:
+    """What the plots draw, in unix seconds: one point per metrics line of the reference rank (rank 0, or the
+    lowest rank with lines in that attempt), attempt starts, and failures with their causes."""
+
+    points: list[dict[str, Any]] = field(default_factory=list)   # t, step, attempt, loss, tokens_per_sec, ...
+    boundaries: list[tuple[float, int]] = field(default_factory=list)  # (t, attempt) of each attempt.started
+    failures: list[tuple[float, str]] = field(default_factory=list)    # (t, cause) of each failed attempt
+
+
+def plot_series(run: RunDir, events: list[dict] | None = None) -> Series:
+    events = run.events() if events is None else events
+    resolved = run.load_resolved()
+    res = resolved.get("resources", {})
+    processes = int(res.get("nodes", 1)) * int(res.get("processes_per_node", 1))
+    series = Series()
+    lines = goodput.run_lines(run, events)
+    reference: dict[int, Any] = {}
+    for line in lines:
+        # rank 0 when it has lines in the attempt, else the first rank seen
+        if line["rank"] == 0 or line["attempt"] not in reference:
+            reference[line["attempt"]] = line["rank"]
+    seen: dict[int, int] = defaultdict(int)
+    for line in lines:
+        if line["rank"] != reference[line["attempt"]] or line.get("t") is None:
+            continue
+        tps = line.get("tokens_per_sec_per_device")
+        # MaxText's step_time carries compilation into the first steps after a start (tens of seconds against
+        # tenths): left out of the time and speed curves, as straggler detection leaves them out.
+        warm = seen[line["attempt"]] >= SKIP_STEPS
+        seen[line["attempt"]] += 1
+        series.points.append({"t": line["t"], "step": line["step"], "attempt": line["attempt"],
+                              "loss": line.get("loss"), "recomputed": line.get("recomputed", False),
+                              "tokens_per_sec": tps * processes if warm and isinstance(tps, (int, float)) else None,
+                              "step_time": line.get("step_time") if warm else None})
+    ended = {e.get("attempt"): e for e in events if e.get("event") == "attempt.ended"}
+    # Where the failure happened: the failure or hang event, else the attempt's end.
+    failed: dict[Any, dict] = {}
+    for e in events:
+        if e.get("event") in ("attempt.failed", "attempt.hang"):
+            failed.setdefault(e.get("attempt"), e)
+    for e in events:
+        if e.get("event") == "attempt.started":
+            series.boundaries.append((e["t"], e.get("attempt")))
+    for n in sorted(set(ended) | set(failed), key=lambda x: (x is None, x or 0)):
+        end, fail = ended.get(n), failed.get(n)
+        cause = end.get("cause") if end else fail.get("cls", "hang")
+        if cause in ("completed", None):
+            continue
+        series.failures.append(((fail or end)["t"], str(cause)))
+    return series
+
+
+def _figure(title: str, ylabel: str) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)  # Agg explicitly: no display, no pyplot global state
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel("wall-clock time (UTC)")
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _when(t: float) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
+
+
+def _save(fig: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plot(series: Series, key: str, path: Path, run_name: str) -> None:
+    """One metric against wall-clock time: dashed lines where attempts start, red marks where they failed."""
+    note = "" if key == "loss" else f" (first {SKIP_STEPS} steps of each attempt, compilation, left out)"
+    fig, ax = _figure(f"{run_name}: {PLOTS[key]}{note}", PLOTS[key])
+    for attempt in sorted({p["attempt"] for p in series.points}):
+        pts = [p for p in series.points if p["attempt"] == attempt and p[key] is not None]
+        if pts:
+            ax.plot([_when(p["t"]) for p in pts], [p[key] for p in pts], marker=".", markersize=3, linewidth=1,
+                    label=f"attempt {attempt}")
+    for t, attempt in series.boundaries:
+        ax.axvline(_when(t), color="grey", linestyle="--", linewidth=1)
+        ax.annotate(f"attempt {attempt}", (_when(t), 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                    va="top", ha="right", fontsize=8, color="grey")
+    for t, cause in series.failures:
+        ax.axvline(_when(t), color="red", linewidth=1.5)
+        ax.annotate(cause, (_when(t), 0.02), xycoords=("data", "axes fraction"), rotation=90, va="bottom",
+                    ha="left", fontsize=8, color="red")
+    if not series.points:
+        ax.text(0.5, 0.5, "no steps recorded", transform=ax.transAxes, ha="center", va="center")
+    elif ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize=8)
+    fig.autofmt_xdate()
+    _save(fig, path)
+
+
+def plot_goodput(g: goodput.Goodput, path: Path, run_name: str) -> None:
+    fig, ax = _figure(f"{run_name}: where the wall time went ({_pct(g.goodput)} goodput)", "")
+    ax.set_xlabel("seconds")
+    items = [(c, s) for c, s in g.seconds.items() if s > 0] or [("productive", 0.0)]
+    ax.barh([goodput.CATEGORIES[c] for c, _ in items], [s for _, s in items],
+            color=["tab:green" if c == "productive" else "tab:red" for c, _ in items])
+    ax.invert_yaxis()
+    _save(fig, path)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _fmt(value: Any, spec: str = "{}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def summary(run: RunDir) -> dict[str, Any]:
+    """Everything the one-page summary says, as plain data (rendered to Markdown and HTML)."""
+    from . import report
+
+    s = report.status(run)
+    events = run.events()
+    stamp = run.load_manifest()
+    resolved = run.load_resolved()
+    start = next((e["t"] for e in events if isinstance(e.get("t"), (int, float))), None)
+    image = stamp.get("image") or {}
+    factor = float((resolved.get("observability") or {}).get("straggler_factor", 1.5))
+    every_rank = [line for rank in metrics.ranks(run) for line in metrics.lines(run, rank)]
+    found = find_stragglers(goodput.place_lines(events, every_rank), factor)
+    faults = [{"at": _since(e["t"], start), "event": e["event"], "detail": _fields(e)}
+              for e in events if e.get("event") in FAULT_EVENTS]
+    return {
+        "status": s,
+        "started": _when(start).isoformat(timespec="seconds") if start else None,
+        "image": image.get("sha256") or ("none (the host's Python)" if image.get("kind") == "none"
+                                         else f"unknown ({image.get('reference', '?')})"),
+        "image_path": image.get("path"),
+        "rkit_version": stamp.get("rkit_version"),
+        "faults": faults,
+        "stragglers_seen": straggler_events(events),
+        "stragglers_found": [st.as_dict() for st in found],
+        "straggler_factor": factor,
+        "goodput": s["goodput"],
+    }
+
+
+def _fields(e: dict[str, Any]) -> str:
+    """An event's own fields as k=v (nested tallies and argv lists are left to events.jsonl)."""
+    out = []
+    for key, value in sorted(e.items()):
+        if key in ("t", "event") or value in (None, [], {}) or isinstance(value, dict):
+            continue
+        if isinstance(value, list):
+            if not all(isinstance(v, (str, int, float)) for v in value):
+                continue
+            value = "[" + ", ".join(map(str, value)) + "]"
+        out.append(f"{key}={value}")
+    return ", ".join(out)
+
+
+def _since(t: float, start: float | None) -> str:
+    return "-" if start is None else f"+{t - start:.1f} s"
+
+
+def _tables(d: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    s, g = d["status"], d["goodput"]
+    step = "-" if s["step"] is None else s["step"] + 1
+    overview = [["state", s["state"] + (f": {s['reason']}" if s["reason"] else "")],
+                ["config hash", str(s["config_hash"])], ["image", d["image"] + (f" ({d['image_path']})"
+                                                                                 if d["image_path"] else "")],
+                ["rkit", str(d["rkit_version"]) + f" (report by {__version__})"], ["started (UTC)", str(d["started"])],
+                ["steps", f"{step}/{s['total_steps']}, last committed {_fmt(s['last_committed_step'])}"],
+                ["final loss", _fmt(s["loss"], "{:.4f}")],
+                ["throughput", f"{_fmt(s['tokens_per_sec'], '{:,.0f}')} tokens/s, step time "
+                               f"{_fmt(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)"],
+                ["wall time", f"{g['wall_seconds']:.1f} s"], ["goodput", _pct(g["goodput"])]]
+    attempts = [[str(a["attempt"]), "from scratch" if a.get("resume_from_step") is None else
+                 f"step {a['resume_from_step']}", ", ".join(a.get("nodes") or []) or "-",
+                 _fmt(a.get("first_step_seconds"), "{:.1f} s"), str(a.get("cause", "running")),
+                 str(a.get("detail") or ""), str(a.get("decision") or "")] for a in s["attempts"]]
+    faults = [[f["at"], f["event"], f["detail"]] for f in d["faults"]]
+    wall = g["wall_seconds"]
+    breakdown = [[goodput.CATEGORIES[c], f"{sec:.1f}", _pct(sec / wall if wall else None)]
+                 for c, sec in sorted(g["seconds"].items(), key=lambda item: (item[0] != "productive", -item[1]))]
+    stragglers = [[str(x.get("attempt")), str(x.get("node")), _fmt(x.get("ratio"), "{:.2f}x"), "live (event)"]
+                  for x in d["stragglers_seen"]]
+    stragglers += [[str(x["attempt"]), x["node"], f"{x['ratio']:.2f}x", f"from metrics (median {x['median']:.3f} s "
+                    f"vs {x['others_median']:.3f} s)"] for x in d["stragglers_found"]]
+    return [("Run", ["", ""], overview),
+            ("Attempts", ["#", "resumed from", "nodes", "first step after", "cause", "detail", "decision"], attempts),
+            ("Faults", ["at", "event", "detail"], faults),
+            ("Goodput", ["category", "seconds", "share"], breakdown),
+            (f"Stragglers (factor {d['straggler_factor']})", ["attempt", "node", "ratio", "seen"], stragglers)]
+
+
+def _md_cell(text: str) -> str:
+    # Backslash escapes keep a '|' from splitting a cell and a '<' from starting an HTML tag.
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "\\<").replace("\n", " ")
+
+
+def render_markdown(d: dict[str, Any], images: list[str]) -> str:
+    out = [f"# rkit report: {_md_cell(d['status']['name'])}", ""]
+    for title, header, rows in _tables(d):
+        out += [f"## {title}", ""]
+        if not rows:
+            out += ["none", ""]
+            continue
+        out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+        out.append("")
+    out += ["## Plots", ""] + [f"![{Path(name).stem}]({name})" for name in images] + [""]
+    return "\n".join(out)
+
+
+def render_html(d: dict[str, Any], images: list[str]) -> str:
+    e = html.escape
+    out = ["<!doctype html>", "<html><head><meta charset='utf-8'>", f"<title>rkit report: {e(d['status']['name'])}"
+           "</title>", "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:"
+           "collapse;margin-bottom:1em}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}</style>",
+           "</head><body>", f"<h1>rkit report: {e(d['status']['name'])}</h1>"]
+    for title, header, rows in _tables(d):
+        out.append(f"<h2>{e(title)}</h2>")
+        if not rows:
+            out.append("<p>none</p>")
+            continue
+        out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
+        out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
+        out.append("</table>")
+    out.append("<h2>Plots</h2>")
+    out += [f"<p><img src='{e(name, quote=True)}' alt='{e(name, quote=True)}'></p>" for name in images]
+    out.append("</body></html>\n")
+    return "\n".join(out)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_report(run: RunDir, out: Path | None = None) -> list[Path]:
+    """Write the plots and summaries (each file atomically: temp + rename); returns the paths written."""
+    run.require()
+    out = run.path / "report" if out is None else Path(out)
+    if out.exists() and not out.is_dir():
+        raise RkitError(f"{out}: exists and is not a directory; give --out a directory (it is created if missing).")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RkitError(f"{out}: cannot create the report directory: {exc.strerror}.") from None
+    events = run.events()
+    series = plot_series(run, events)
+    d = summary(run)
+    written = []
+    for key in PLOTS:
+        path = out / f"{key}.png"
+        plot(series, key, path, run.name)
+        written.append(path)
+    g = goodput.Goodput(wall_seconds=d["goodput"]["wall_seconds"], seconds=d["goodput"]["seconds"])
+    plot_goodput(g, out / "goodput.png", run.name)
+    written.append(out / "goodput.png")
+    images = [p.name for p in written]
+    for name, text in (("summary.md", render_markdown(d, images)), ("summary.html", render_html(d, images))):
+        _write_text(out / name, text)
+        written.append(out / name)
+    return written

@@ -1,0 +1,360 @@
+"""Goodput: where a run's wall time went, from events.jsonl and metrics/<rank>.jsonl alone.
+
+Wall time is the sum of the run's sessions: a session opens at `run.submitted` / `run.resumed` and closes at the
+run's final word (`run.finished`, `run.gave_up`, `run.interrupted`); a session still open ends `now` when the
+caller says the run is live, else at the last record. The time between a final word and a later `--resume` is
+nobody's loss and is not counted; a supervisor that died without a final word leaves its gap to "other".
+
+Every second of the wall time goes to exactly one category, so the categories sum to the wall time:
+
+- startup: an attempt's `attempt.started` -> `attempt.first_step` (processes, imports, restore, compilation;
+  the first step's own time is in here too, it is mostly compilation).
+- productive, checkpoint, recompute: from the first step to the attempt's last step, split by the times of the
+  steps after the first on one rank (rank 0, or the lowest rank with lines in that attempt). A step's time is the
+  gap between its line's `t` and the previous one's (gaps tile the window; MaxText's own step_time carries
+  compilation into the second or third step after a start), else MaxText's step_time for lines without `t`.
+  * checkpoint: the excess over the attempt's median step time of the steps next to a save (s - 1, s, s + 1 for
+    `s % checkpoint.period == 0`: where a save's blocking part shows depends on where it is measured, see
+    _near_save); a step without a save adds ~0, since only the excess counts. The last save of a run happens
+    after its last step and is in teardown.
+  * recompute: the rest of the time of steps that were trained before (a restart went back to a checkpoint).
+  * productive: the rest. Window time not covered by step times is "other".
+- hang: from each `attempt.hang` event, `seconds_silent` back from the event.
+- teardown: an ended attempt's last step (or its failure, when it never stepped) -> `attempt.ended`.
+- queue: `job.submitted` -> the next `job.started`; requeue: `job.requeued` -> the next `job.started`, or, when
+  Slurm requeued the job itself (a node died with the batch host), the last record before that `job.started`.
+- other: whatever is left: the supervisor's own work between attempts, the step in flight of a live attempt.
+
+Where intervals overlap (clocks of different hosts, late events) the more specific one wins (PRIORITY).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..rundir import RunDir
+from . import metrics
+
+CATEGORIES = {
+    "productive": "productive training",
+    "startup": "start-up and compilation",
+    "checkpoint": "checkpoint saves",
+    "recompute": "recomputed steps",
+    "hang": "hang waits",
+    "queue": "queue wait",
+    "requeue": "requeue wait",
+    "teardown": "failure and teardown",
+    "other": "other",
+}
+PRIORITY = ("hang", "teardown", "startup", "steps", "requeue", "queue")
+SESSION_START = ("run.submitted", "run.resumed")
+SESSION_END = ("run.finished", "run.gave_up", "run.interrupted")
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Seconds per category (every key of CATEGORIES; they sum to wall_seconds)."""
+
+    wall_seconds: float
+    seconds: dict[str, float]
+    in_progress: bool = False
+
+    @property
+    def goodput(self) -> float | None:
+        return self.seconds["productive"] / self.wall_seconds if self.wall_seconds > 0 else None
+
+    def top_losses(self, n: int | None = None) -> list[tuple[str, float]]:
+        """Categories other than productive training, largest first (zero ones left out)."""
+        losses = sorted(((c, s) for c, s in self.seconds.items() if c != "productive" and s > 0),
+                        key=lambda item: (-item[1], item[0]))
+        return losses if n is None else losses[:n]
+
+    def as_dict(self, top: int | None = None) -> dict[str, Any]:
+        # Rounded per category first, then summed, so that the printed numbers add up exactly.
+        seconds = {c: round(self.seconds[c], 3) for c in CATEGORIES}
+        wall = round(sum(seconds.values()), 3)
+        return {"wall_seconds": wall, "seconds": seconds, "in_progress": self.in_progress,
+                "goodput": round(seconds["productive"] / wall, 4) if wall > 0 else None,
+                "top_losses": [{"category": c, "label": CATEGORIES[c], "seconds": round(s, 3)}
+                               for c, s in self.top_losses(top)]}
+
+
+@dataclass
+class _Attempt:
+    number: int
+    started: float
+    ended: float | None = None
+    first_step: float | None = None
+    failed: float | None = None
+    hangs: list[tuple[float, float]] = field(default_factory=list)
+    last_seen: float | None = None
+
+
+def run_goodput(run: RunDir, now: float | None = None) -> Goodput:
+    """Goodput of a run directory; pass `now` while the run is live (its open session ends now)."""
+    resolved = run.load_resolved()
+    events = run.events()
+    return compute(events, run_lines(run, events), checkpoint_period=(resolved.get("checkpoint") or {}).get("period"),
+                   now=now)
+
+
+def run_lines(run: RunDir, events: list[dict]) -> list[dict[str, Any]]:
+    """Placed metrics lines (see place_lines) enough for goodput and plots: rank 0's, plus every rank's only when
+    some attempt that stepped has no rank-0 line (reading every rank of a large run costs)."""
+    placed = place_lines(events, _rank_lines(run, 0))
+    stepped = {e.get("attempt") for e in events if e.get("event") == "attempt.first_step"}
+    if stepped - {line["attempt"] for line in placed}:
+        placed = place_lines(events, [line for rank in metrics.ranks(run) for line in _rank_lines(run, rank)])
+    return placed
+
+
+def _rank_lines(run: RunDir, rank: int) -> list[dict[str, Any]]:
+    # MaxText's raw lines carry no rank: the file name is the rank.
+    return [{**line, "rank": rank if line.get("rank") is None else line["rank"]} for line in metrics.lines(run, rank)]
+
+
+def place_lines(events: list[dict], lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Metrics lines with `attempt`, `t` and `recomputed` filled in, in file order per rank.
+
+    Lines written by rkit's agent carry `t` and `attempt`. MaxText's raw lines carry neither: their attempts are
+    found by the step going back (a restart), matched newest-first to the attempts that reached a first step, and
+    their time is that attempt's `attempt.first_step` plus the step times that follow (`t_estimated`).
+    `recomputed`: the rank trained this step before, in an earlier line."""
+    stepped = [(e["attempt"], e["t"]) for e in events if e.get("event") == "attempt.first_step"
+               and e.get("attempt") is not None and e.get("t") is not None]
+    anchors = dict(stepped)
+    by_rank: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for line in lines:
+        by_rank[line.get("rank")].append(line)
+    out: list[dict[str, Any]] = []
+    for rank_lines in by_rank.values():
+        segments: list[list[dict[str, Any]]] = []
+        previous: dict[str, Any] | None = None
+        for line in rank_lines:
+            new = previous is None or (line.get("attempt") != previous.get("attempt") if line.get("attempt") is not None
+                                       else line["step"] <= previous["step"])
+            if new:
+                segments.append([])
+            segments[-1].append(line)
+            previous = line
+        # Newest segment <-> newest attempt that stepped: a restart from scratch may have truncated older lines.
+        guesses = [n for n, _ in stepped][-len(segments):] if stepped else []
+        guesses = [None] * (len(segments) - len(guesses)) + guesses
+        seen: set[int] = set()
+        for index, segment in enumerate(segments):
+            attempt = segment[0].get("attempt")
+            if attempt is None:
+                attempt = guesses[index] if guesses[index] is not None else index + 1
+            clock = anchors.get(attempt)
+            for position, line in enumerate(segment):
+                placed = {**line, "attempt": attempt, "recomputed": line["step"] in seen, "t_estimated": False}
+                seen.add(line["step"])
+                if placed.get("t") is None:
+                    if clock is not None and position > 0 and isinstance(line.get("step_time"), (int, float)):
+                        clock += line["step_time"]
+                    placed.update(t=None if clock is None else round(clock, 3), t_estimated=clock is not None)
+                out.append(placed)
+    return out
+
+
+def compute(events: list[dict], lines: list[dict[str, Any]], *, checkpoint_period: int | None = None,
+            now: float | None = None) -> Goodput:
+    """Goodput from events and placed metrics lines (place_lines); pure, so tests give it synthetic runs."""
+    records = [e["t"] for e in events if isinstance(e.get("t"), (int, float))]
+    records += [line["t"] for line in lines if isinstance(line.get("t"), (int, float))]
+    sessions, live = _sessions(events, now, max(records, default=None))
+    attempts = _attempts(events, lines)
+    intervals: list[tuple[float, float, str]] = []
+    steps_shares: list[dict[str, float]] = []
+    by_attempt: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for line in lines:
+        by_attempt[line["attempt"]].append(line)
+    for index, a in enumerate(attempts):
+        is_live = live and index == len(attempts) - 1 and a.ended is None
+        end = a.ended if a.ended is not None else (now if is_live else max(a.last_seen or a.started, a.started))
+        ref = _reference_lines(by_attempt.get(a.number, []))
+        first = a.first_step if a.first_step is not None else next((x["t"] for x in ref if x.get("t")), None)
+        if first is None:
+            intervals.append((a.started, a.failed if a.failed is not None else end, "startup"))
+            if a.ended is not None and a.failed is not None:
+                intervals.append((a.failed, end, "teardown"))
+        else:
+            first = min(max(first, a.started), end)
+            shares = _step_shares(ref, checkpoint_period)
+            timed = [x["t"] for x in ref if x.get("t") is not None and not x.get("t_estimated")]
+            last = max(timed) if timed else first + sum(shares.values())
+            last = min(max(last, first), end)
+            intervals.append((a.started, first, "startup"))
+            shares["other"] = max(0.0, (last - first) - sum(shares.values()))
+            intervals.append((first, last, f"steps:{len(steps_shares)}"))
+            steps_shares.append(shares)
+            if a.ended is not None:
+                intervals.append((last, end, "teardown"))
+        intervals.extend((max(t - silent, a.started), t, "hang") for t, silent in a.hangs)
+    intervals.extend(_queue_intervals(events))
+    covered, other, wall = _paint(intervals, sessions)
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    seconds["other"] += other
+    for kind, amount in covered.items():
+        if kind.startswith("steps:"):
+            shares = steps_shares[int(kind.split(":")[1])]
+            total = sum(shares.values())
+            for category, share in shares.items():
+                seconds[category] += amount * share / total if total > 0 else 0.0
+            if total <= 0:
+                seconds["other"] += amount
+        else:
+            seconds[kind] += amount
+    return Goodput(wall_seconds=wall, seconds=seconds, in_progress=live)
+
+
+def _sessions(events: list[dict], now: float | None, last_record: float | None) -> tuple[list[tuple[float, float]],
+                                                                                         bool]:
+    spans: list[tuple[float, float]] = []
+    start: float | None = None
+    for e in events:
+        kind, t = e.get("event"), e.get("t")
+        if not isinstance(t, (int, float)):
+            continue
+        if kind in SESSION_START:
+            if start is not None:  # the previous supervisor died without a final word: its gap is lost time
+                spans.append((start, t))
+            start = t
+        elif kind in SESSION_END and start is not None:
+            spans.append((start, t))
+            start = None
+        elif start is None and not spans:  # a log without run.submitted (a partial copy): start at its first line
+            start = t
+    live = start is not None and now is not None
+    if start is not None:
+        end = now if now is not None else (last_record if last_record is not None else start)
+        spans.append((start, max(start, end)))
+    return spans, live
+
+
+def _attempts(events: list[dict], lines: list[dict[str, Any]]) -> list[_Attempt]:
+    table: dict[int, _Attempt] = {}
+    for e in events:
+        n, t, kind = e.get("attempt"), e.get("t"), e.get("event")
+        if n is None or not isinstance(t, (int, float)):
+            continue
+        if kind == "attempt.started":
+            table[n] = _Attempt(number=n, started=t, last_seen=t)
+            continue
+        a = table.get(n)
+        if a is None:
+            continue
+        a.last_seen = max(a.last_seen or t, t)
+        if kind == "attempt.first_step" and a.first_step is None:
+            a.first_step = t
+        elif kind == "attempt.failed" and a.failed is None:
+            a.failed = t
+        elif kind == "attempt.ended":
+            a.ended = t
+        elif kind == "attempt.hang":
+            a.hangs.append((t, float(e.get("seconds_silent") or 0.0)))
+    for line in lines:
+        a = table.get(line["attempt"])
+        if a is not None and line.get("t") is not None:
+            a.last_seen = max(a.last_seen or line["t"], line["t"])
+    return [table[n] for n in sorted(table)]
+
+
+def _reference_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One rank's lines of an attempt (rank 0 when it has any): step times of one rank tile the attempt's time,
+    those of several ranks would count it several times."""
+    ranks = {line.get("rank") for line in lines}
+    if not ranks:
+        return []
+    rank = 0 if 0 in ranks else min(ranks, key=lambda r: (r is None, r if r is not None else 0))
+    return [line for line in lines if line.get("rank") == rank]
+
+
+def _step_shares(ref: list[dict[str, Any]], period: int | None) -> dict[str, float]:
+    """Seconds of the steps after an attempt's first, split into productive / checkpoint / recompute.
+
+    A step's time is the gap since the previous line when both carry a real `t` (these gaps tile the window
+    exactly; MaxText's own step_time puts compilation in the second or third step after a start, whose lines are
+    written together only after it), else MaxText's step_time."""
+    times: list[tuple[dict[str, Any], float]] = []
+    for previous, line in zip(ref, ref[1:], strict=False):
+        timed = all(x.get("t") is not None and not x.get("t_estimated") for x in (previous, line))
+        if timed:
+            times.append((line, max(0.0, line["t"] - previous["t"])))
+        elif isinstance(line.get("step_time"), (int, float)):
+            times.append((line, max(0.0, float(line["step_time"]))))
+    shares = {"productive": 0.0, "checkpoint": 0.0, "recompute": 0.0}
+    if not times:
+        return shares
+    median = statistics.median(t for _, t in times)
+    for line, t in times:
+        excess = max(0.0, t - median) if _near_save(int(line["step"]), period) else 0.0
+        shares["checkpoint"] += excess
+        shares["recompute" if line.get("recomputed") else "productive"] += t - excess
+    return shares
+    median = statistics.median(t for _, t in times)
+    for line, t in times:
+        step = int(line["step"])
+        saves = bool(period) and period > 0 and (step % period == 0 or (step - 1) % period == 0)
+        excess = max(0.0, t - median) if saves else 0.0
+        shares["checkpoint"] += excess
+        shares["recompute" if line.get("recomputed") else "productive"] += t - excess
+    return shares
+
+
+def _near_save(step: int, period: int | None) -> bool:
+    """A save at step s blocks the training loop after s is dispatched. MaxText's step_time shows it on s + 1;
+    the rkit line of s - 1 is written after it (MaxText writes a step's line one step late); so s - 1, s, s + 1."""
+    return bool(period) and period > 0 and any((step + k) % period == 0 for k in (-1, 0, 1))
+
+
+def _queue_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
+    out: list[tuple[float, float, str]] = []
+    waiting: tuple[float, str] | None = None
+    previous_t: float | None = None
+    for e in events:
+        kind, t = e.get("event"), e.get("t")
+        if not isinstance(t, (int, float)):
+            continue
+        if kind == "job.submitted":
+            waiting = (t, "queue")
+        elif kind == "job.requeued":
+            waiting = (t, "requeue")
+        elif kind == "job.started":
+            if waiting is not None:
+                out.append((waiting[0], t, waiting[1]))
+            elif (e.get("restart_count") or 0) > 0 and previous_t is not None:
+                out.append((previous_t, t, "requeue"))  # Slurm requeued the job itself: no event said so
+            waiting = None
+        previous_t = t
+    if waiting is not None:  # still in the queue: the session's end clips it
+        out.append((waiting[0], float("inf"), waiting[1]))
+    return out
+
+
+def _paint(intervals: list[tuple[float, float, str]], sessions: list[tuple[float, float]]
+           ) -> tuple[dict[str, float], float, float]:
+    """Give each moment inside a session to the highest-priority interval covering it: returns seconds per
+    interval kind, seconds covered by none ("other"), and the wall time (the sessions' union)."""
+    def rank(kind: str) -> int:
+        return PRIORITY.index(kind.split(":")[0])
+
+    usable = sorted(((a, b, k) for a, b, k in intervals if b > a), key=lambda i: rank(i[2]))
+    points = sorted({p for a, b, _ in usable for p in (a, b) if p != float("inf")} | {p for s in sessions for p in s})
+    covered: dict[str, float] = defaultdict(float)
+    other = wall = 0.0
+    for lo, hi in zip(points, points[1:], strict=False):
+        mid = (lo + hi) / 2
+        if not any(a <= mid < b for a, b in sessions):
+            continue
+        wall += hi - lo
+        kind = next((k for a, b, k in usable if a <= mid < b), None)
+        if kind is None:
+            other += hi - lo
+        else:
+            covered[kind] += hi - lo
+    return dict(covered), other, wall
