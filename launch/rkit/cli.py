@@ -210,13 +210,51 @@ def image_verify(path: Path, expect: str) -> None:
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @json_option
-def status(run_dir: Path, as_json: bool) -> None:
-    """Where RUN is: state and why, step, checkpoints, attempts and their causes, speed, ETA."""
+@click.option("--watch", is_flag=True, help="A live view, redrawn every 2 s until the run ends (Ctrl-C to stop).")
+def status(run_dir: Path, as_json: bool, watch: bool) -> None:
+    """Where RUN is: state and why, step, checkpoints, attempts and their causes, speed, ETA, goodput."""
     from . import report
     from .rundir import RunDir
 
+    if watch and as_json:
+        raise RkitError("--watch and --json do not go together: --watch draws for a person, --json prints once.")
+    if watch:
+        report.watch(RunDir(run_dir).require())
+        return
     summary = report.status(RunDir(run_dir))
     click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else report.render_status(summary))
+
+
+@main.command("report")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Directory to write into "
+              "(default: RUN/report).")
+def report_command(run_dir: Path, out: Path | None) -> None:
+    """Plots (loss, tokens/s, step time, goodput) and a one-page summary.md / summary.html of RUN."""
+    from .plots import write_report
+    from .rundir import RunDir
+
+    for path in write_report(RunDir(run_dir), out):
+        click.echo(str(path))
+
+
+@main.group()
+def metrics() -> None:
+    """A run's metrics for Prometheus, served from its files."""
+
+
+@metrics.command("serve")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--interface", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True,
+              help="Port to listen on (0: any free port).")
+def metrics_serve(run_dir: Path, interface: str, port: int) -> None:
+    """Serve RUN's training, node health and attempt metrics at /metrics until Ctrl-C (live or finished)."""
+    from .rundir import RunDir
+    from .telemetry import exporter
+
+    exporter.serve_until_interrupted(RunDir(run_dir).require(), interface=interface, port=port, echo=click.echo)
 
 
 @main.command()
