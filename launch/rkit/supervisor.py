@@ -21,6 +21,7 @@ from .image import ImageIdentity
 from .inject import Injection, pending
 from .rundir import RunDir, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
+from .telemetry.stragglers import find_stragglers
 from .trainers import maxtext
 from .watchdog import HangPolicy, HangWatch
 
@@ -330,6 +331,8 @@ class Supervisor:
         first_step_seen = False
         watch = HangWatch(HangPolicy.from_resolved(self.resolved), ranks=list(range(self.processes)),
                           started=self.clock(), step_times=self._step_times)
+        stragglers = StragglerWatch(self.run, attempt, float(self.resolved["observability"]["straggler_factor"]),
+                                    self.clock)
         requeue = False
         cause: Cause | None = None
         detail = ""
@@ -338,6 +341,7 @@ class Supervisor:
             for rank, tail in tails.items():
                 for m in tail.poll():
                     watch.progress(rank, m.step, m.step_time, self.clock())
+                    stragglers.add(m)
                     progress.step = m.step if rank == 0 or progress.step is None else max(progress.step, m.step)
                     if rank == 0 and m.tokens_per_sec_per_device:
                         progress.tokens_per_sec = m.tokens_per_sec_per_device * self.processes
@@ -345,6 +349,7 @@ class Supervisor:
                         first_step_seen = True
                         self.run.emit("attempt.first_step", attempt=attempt, step=m.step, rank=rank,
                                       seconds_since_start=round(time.time() - started, 3))
+            stragglers.check()
             progress.committed = maxtext.latest_committed_step(self.run)
             progress.message = f"attempt {attempt}"
             self.on_progress(progress)
@@ -456,6 +461,43 @@ class Supervisor:
 
 
 HANG_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class StragglerWatch:
+    """Per-node step times of one attempt (a recent window); every `every` seconds, nodes well above the others
+    are flagged with a `node.straggler` event (once per node and attempt)."""
+
+    run: RunDir
+    attempt: int
+    factor: float
+    clock: Callable[[], float]
+    every: float = 15.0
+    window: int = 2000
+    lines: list[dict] = field(default_factory=list)
+    flagged: set[str] = field(default_factory=set)
+    first_step: int | None = None
+    _next: float = 0.0
+
+    def add(self, m: object) -> None:
+        if m.node is None or m.step_time is None:
+            return
+        if self.first_step is None:
+            self.first_step = m.step
+        self.lines.append({"node": m.node, "step": m.step, "step_time": m.step_time, "attempt": self.attempt})
+        del self.lines[:-self.window]
+
+    def check(self) -> None:
+        now = self.clock()
+        if now < self._next or len({line["node"] for line in self.lines}) < 2:
+            return
+        self._next = now + self.every
+        for s in find_stragglers(self.lines, self.factor, start_step=self.first_step):
+            if s.node not in self.flagged:
+                self.flagged.add(s.node)
+                self.run.emit("node.straggler", **s.as_dict(), factor=self.factor,
+                              reason=f"median step time {s.median:.3f} s is {s.ratio:.2f}x the other nodes' "
+                                     f"{s.others_median:.3f} s")
 
 
 def _exit_info(e: RankExit) -> dict:

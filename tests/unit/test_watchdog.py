@@ -95,3 +95,22 @@ def test_the_learned_step_times_carry_over_between_attempts():
     second = HangWatch(policy(), ranks=[0], started=200.0, step_times=times)
     second.progress(0, 4, None, now=210.0)
     assert second.timeout_for(0) == 300
+
+
+def test_straggler_watch_flags_a_slow_node_once(tmp_path):
+    from rkit.rundir import RunDir
+    from rkit.supervisor import StragglerWatch
+    from rkit.telemetry.metrics import StepMetrics
+
+    now = [0.0]
+    run = RunDir(tmp_path / "run")
+    watch = StragglerWatch(run, attempt=2, factor=1.5, clock=lambda: now[0])
+    for step in range(20):
+        watch.add(StepMetrics(step, 1.0, 0.1, None, node="fast"))
+        watch.add(StepMetrics(step, 1.0, 0.1, None, node="fast2"))
+        watch.add(StepMetrics(step, 1.0, 0.3, None, node="slow"))
+    watch.check()
+    now[0] = 100.0
+    watch.check()
+    flagged = [e for e in run.events() if e["event"] == "node.straggler"]
+    assert [(e["node"], e["attempt"], round(e["ratio"], 1)) for e in flagged] == [("slow", 2, 3.0)]

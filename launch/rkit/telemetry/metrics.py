@@ -50,6 +50,7 @@ class StepMetrics:
     tokens_per_sec_per_device: float | None
     attempt: int | None = None
     t: float | None = None
+    node: str | None = None
 
 
 def normalize(value: dict) -> dict[str, Any] | None:
@@ -87,7 +88,7 @@ def from_line(value: dict) -> StepMetrics | None:
         return None
     return StepMetrics(step=line["step"], loss=line["loss"], step_time=line["step_time"],
                        tokens_per_sec_per_device=line["tokens_per_sec_per_device"], attempt=line["attempt"],
-                       t=line["t"])
+                       t=line["t"], node=line["node"])
 
 
 def read_rank(path: Path) -> list[StepMetrics]:
