@@ -40,6 +40,19 @@ def require_apptainer() -> str:
     return found
 
 
+def require_prometheus() -> str:
+    """The exporter's end-to-end test needs a real Prometheus server (make test installs Debian's)."""
+    import shutil
+
+    found = shutil.which(os.environ.get("RKIT_PROMETHEUS", "prometheus"))
+    if not found:
+        message = "prometheus is not installed; run `sudo ci/install-prometheus.sh` (make test does it as root)"
+        if in_ci():
+            pytest.fail(f"CI=true and the test bed is missing: {message}")
+        pytest.skip(message)
+    return found
+
+
 def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
          check: int | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (exit codes, stdout and stderr as a user sees them)."""

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import RkitError
 from ..rundir import RunDir, write_json_atomic
 
 PR_SET_PDEATHSIG = 1
@@ -112,14 +113,16 @@ def start_exporter(run: RunDir, node: str, index: int, settings: dict[str, Any],
     from .exporter import serve
 
     prom = settings["prometheus"]
-    port = prom["port"] + index if prom["port"] else 0
+    port = prom["port"] + index if prom["port"] and prom["port"] + index <= 65535 else 0
     scope = {"nodes": [node], "training": index == 0, "events": index == 0}
     try:
         exporter = serve(run, interface=prom["interface"], port=port, **scope)
-    except Exception as exc:  # noqa: BLE001 - a busy port must not cost the run its metrics: take a free one
+    except RkitError:
         if not port:
             raise
-        sys.stderr.write(f"rkit: port {port} unavailable ({exc}); serving on a free port instead\n")
+        # A busy port (another run on this node, a previous attempt's exporter not yet gone) must not cost
+        # this attempt its metrics: any free port, written to exporter.json like any other.
+        sys.stderr.write(f"rkit: port {port} on {prom['interface']} is not available; serving on a free port\n")
         exporter = serve(run, interface=prom["interface"], port=0, **scope)
     exporter_file(run, node).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(exporter_file(run, node), {
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                           args=(float(settings["telemetry_interval_seconds"]), stop))
         sampler_thread.start()
 
+    if exporter is None and sampler_thread is None:
+        return 0  # nothing asked for (or nothing could start): no idle process beside the trainer
     while not stop.wait(PARENT_POLL_SECONDS):
         if os.getppid() != parent:
             break
