@@ -8,6 +8,11 @@ node crash: the node running rank 1 (not the batch host) is crashed at step >= 2
   relaunch   failure -> the next step is launched on healthy nodes
   container  step launched -> agents running in the container
   maxtext    agents running -> first trained step (MaxText start, compile cache, Orbax restore)
+batch host crash: the node running the batch script (and rkit's supervisor) is crashed at step >= 25, no spare;
+  detection  crash -> Slurm takes the job off the node (squeue leaves RUNNING: NODE_FAIL, requeue)
+  requeue wait  -> the batch script runs again (Slurm's requeue hold, cred_expire) on healthy nodes
+  supervisor    batch script -> the new attempt's step launched (lock, lost attempt recorded, srun)
+  container, maxtext  as above
 usr1: `scancel --signal=USR1 --batch` at step >= 15 (what --signal=B:USR1@lead sends before the time limit).
   usr1->requeue  signal -> the job requeued itself (save requested, tasks stopped)
   requeue wait   requeued -> the batch script runs again (Slurm holds a requeued job for cred_expire: 30 s on
@@ -52,10 +57,10 @@ def max_step(run: Path) -> int:
     return max(steps, default=-1)
 
 
-def submit(workdir: Path, name: str, image: str, steps: int = 40) -> Path:
+def submit(workdir: Path, name: str, image: str, steps: int = 40, extra: tuple[str, ...] = ()) -> Path:
     subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(RECIPE), "-o", f"name={name}",
                     "-o", f"runs_dir={workdir}", "-o", f"image={image}", "-o", f"trainer.steps={steps}",
-                    "-o", "checkpoint.period=10"], check=True, capture_output=True)
+                    "-o", "checkpoint.period=10", *extra], check=True, capture_output=True)
     return workdir / name
 
 
@@ -95,6 +100,35 @@ def node_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
             "recomputed": max(0, last_before - started["resume_from_step"])}
 
 
+def job_state(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def batch_host_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
+    run = submit(workdir, f"batch-{i}", image, extra=("-o", "slurm.spare_nodes=0"))
+    job = first(events(run), "job.submitted")["job_id"]
+    wait(lambda: (run / "metrics" / "0.jsonl").exists() and max_step(run) >= 25)
+    victim = json.loads((run / "attempts" / "1" / "attempt.json").read_text())["launch"]["nodes"][0]
+    last_before = max_step(run)
+    crashed = time.time()
+    subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "crash", victim], check=True, capture_output=True)
+    try:
+        wait(lambda: job_state(job) != "RUNNING", timeout=120)
+        detected = time.time()
+        wait(lambda: finished(run, job), timeout=600)
+    finally:
+        subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "restore", victim], capture_output=True)
+    evs = events(run)
+    restarted = first(evs, "job.started", restart_count=1)
+    started = first(evs, "attempt.started", attempt=2)
+    agent = min(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2)
+    step = first(evs, "attempt.first_step", attempt=2)
+    return {"detection": detected - crashed, "requeue wait": restarted["t"] - detected,
+            "supervisor": started["t"] - restarted["t"], "container": agent - started["t"],
+            "maxtext": step["t"] - agent, "total": step["t"] - crashed,
+            "recomputed": max(0, last_before - started["resume_from_step"])}
+
+
 def usr1(workdir: Path, i: int, image: str) -> dict[str, float]:
     # Enough steps after the signal for JAX's preemption sync point (as in tests/integration/test_slurm.py).
     run = submit(workdir, f"usr1-{i}", image, steps=200)
@@ -108,20 +142,28 @@ def usr1(workdir: Path, i: int, image: str) -> dict[str, float]:
     requeued = first(evs, "job.requeued")
     restarted = first(evs, "job.started", restart_count=1)
     resumed = first(evs, "attempt.started", attempt=2)
+    step = first(evs, "attempt.first_step", attempt=2)
     return {"usr1->requeue": requeued["t"] - signalled, "requeue wait": restarted["t"] - requeued["t"],
+            "usr1->first step": step["t"] - signalled,
             "recomputed": max(0, requested["step"] - resumed["resume_from_step"])}
+
+
+FAULTS = {"node-crash": node_crash, "batch-host-crash": batch_host_crash, "usr1": usr1}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image", required=True)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=sorted(FAULTS), action="append", help="measure only these (repeatable)")
     args = parser.parse_args()
     image = str(Path(args.image).resolve())
-    results: dict[str, list[dict[str, float]]] = {"node crash": [], "usr1": []}
+    kinds = args.only or list(FAULTS)
+    results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     with tempfile.TemporaryDirectory(prefix="rkit-slurm-bench-", dir="/tmp") as tmp:
         for i in range(args.repeats):
-            for kind, measure in (("node crash", node_crash), ("usr1", usr1)):
+            for kind in kinds:
+                measure = FAULTS[kind]
                 row = measure(Path(tmp), i, image)
                 results[kind].append(row)
                 print(f"{kind} {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
