@@ -54,6 +54,7 @@ def sha256_file(path: Path) -> str:
 # backends does not rebuild images. tests/unit/test_container_definitions.py checks this list is complete.
 IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "errors.py", "imageinfo.py", "inject.py", "manifest.py", "recipe.py",
                     "rundir.py", "schema/recipe.schema.json", "telemetry/__init__.py", "telemetry/metrics.py",
+                    "telemetry/node.py", "telemetry/health.py", "telemetry/exporter.py",
                     "trainers/__init__.py", "trainers/maxtext.py")
 
 

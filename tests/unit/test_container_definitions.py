@@ -122,7 +122,8 @@ def test_image_side_files_cover_what_the_agent_imports():
     """The cache key covers the rkit modules that run inside an image: the agent's whole import closure."""
     from rkit.image import IMAGE_SIDE_FILES
 
-    code = ("import sys, rkit.agent, rkit.manifest, rkit.trainers.maxtext, rkit.imageinfo; "
+    code = ("import sys, rkit.agent, rkit.manifest, rkit.trainers.maxtext, rkit.imageinfo, rkit.telemetry.node, "
+            "rkit.telemetry.health, rkit.telemetry.exporter; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('rkit'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     for module in done.stdout.split():

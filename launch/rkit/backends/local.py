@@ -182,11 +182,12 @@ class LocalBackend:
 
     def dump_stacks(self, handle: LocalAttempt, out_dir: Path) -> str:
         """Python stacks of every live rank: py-spy when it is installed (works on a stopped process), else
-        SIGQUIT, which the agent's faulthandler turns into a dump in the rank's log. Leaves the ranks running
-        (SIGCONT), so that the SIGTERM that follows is delivered."""
+        SIGQUIT, which the agent's faulthandler writes to stacks/rank-<r>.txt once the process runs (SIGCONT
+        for half a second; a rank that was stopped is stopped again, so a hang stays a hang until the kill)."""
         import psutil
 
         out_dir.mkdir(parents=True, exist_ok=True)
+        stopped = self.stopped_ranks(handle)
         pyspy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
         how = "py-spy" if pyspy else "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"
         for rank, proc in handle.procs.items():
@@ -210,7 +211,10 @@ class LocalBackend:
             except ProcessLookupError:
                 continue
         self.signal_all(handle, signal.SIGCONT)
-        time.sleep(0.5)  # let a faulthandler dump reach the log before the SIGTERM
+        time.sleep(0.5)  # let a faulthandler dump reach its file
+        for rank in stopped:
+            if rank not in handle.exits:
+                self._signal_group(handle.procs[rank], signal.SIGSTOP)
         return how
 
     @staticmethod
