@@ -242,11 +242,14 @@ cmd_up() {
     if ns_alive && nodes_in idle; then
         install_scripts                     # cheap: rewrites only what changed in ci/testbed
         binds=$(want_binds)
-        [ "$binds" = "$(cat "$BASE/binds" 2>/dev/null)" ] \
-            || log "note: the running cluster shows: $(tr '\n' ' ' < "$BASE/binds")(down + up to apply a changed list)"
-        log "already up, all $NODES nodes idle"
-        print_env
-        return 0
+        if [ "$binds" = "$(cat "$BASE/binds" 2>/dev/null)" ]; then
+            log "already up, all $NODES nodes idle"
+            print_env
+            return 0
+        fi
+        # Another checkout (a CI clone) needs its own path visible inside: an idle cluster is restarted with it.
+        log "the running cluster shows $(tr '\n' ' ' < "$BASE/binds")- restarting it to show $(tr '\n' ' ' <<< "$binds")"
+        cmd_down
     fi
     mkdir -p "$BASE"/{bin,log,work}
     make_root
