@@ -44,7 +44,7 @@ def test_golden_batch_script_and_argv():
       "slurm.spare_nodes=0", "resources.processes_per_node=8", "slurm.signal_lead_seconds=300"],
      ["--parsable", "--requeue", "--signal=B:USR1@300", "--job-name=tiny-slurm", "--nodes=2",
       "--ntasks-per-node=8", "--partition=debug", "--account=proj", "--qos=high", "--time=00:30:00",
-      "--gpus-per-node=8", "--exclusive", "--no-kill"]),
+      "--gpus-per-node=8", "--exclusive"]),
     (["slurm.partition=null", "slurm.time=null"],
      ["--parsable", "--requeue", "--signal=B:USR1@60", "--job-name=tiny-slurm", "--nodes=3",
       "--ntasks-per-node=1", "--no-kill"]),

@@ -48,10 +48,9 @@ def sbatch_options(resolved: dict) -> list[str]:
         opts.append(f"--gpus-per-node={slurm['gpus_per_node']}")
     if slurm["exclusive"]:
         opts.append("--exclusive")
-    # A dead node must not end the job: the supervisor excludes it, moves the step to a spare node, or (with no
-    # spare left) requeues the job itself with the node in ExcNodeList. Without --no-kill Slurm kills the whole
-    # job, the supervisor sees only a SIGTERM, and the requeued job may land on the same bad node again.
-    opts.append("--no-kill")
+    if slurm["spare_nodes"]:
+        # A dead node must not end the job when a spare can replace it: the supervisor excludes it instead.
+        opts.append("--no-kill")
     opts.extend(slurm["extra_sbatch"])
     return opts
 
