@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -202,12 +201,14 @@ def supervise(run_path: Path) -> RunState:
             run.emit("run.gave_up", reason=f"the supervisor failed: {type(exc).__name__}: {exc}")
             raise
         if state is RunState.REQUEUED and job_id:
-            if backend.exclude:
-                subprocess.run(["scontrol", "update", f"jobid={job_id}", f"ExcNodeList={','.join(backend.exclude)}"],
-                               capture_output=True, check=False)
             run.emit("job.requeued", job_id=job_id, excluded=list(backend.exclude))
             lock.release()
+            # Requeue first: Slurm changes ExcNodeList only for a pending job ("Job is no longer pending
+            # execution" while it runs). The requeue's SIGTERM to this script is caught (request_stop), so the
+            # update right after it still runs.
             slurm.requeue(job_id)
+            if backend.exclude:
+                slurm.exclude_nodes(job_id, backend.exclude)
         return state
     finally:
         lock.release()

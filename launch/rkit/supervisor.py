@@ -356,6 +356,17 @@ class Supervisor:
 
             exits = self.backend.poll(handle)
             failed = [e for e in exits.values() if e.returncode != 0]
+            if self._interrupted and cause is None and (down := self.backend.down_nodes(handle)):
+                # Slurm ends a job (without --no-kill) when one of its nodes dies, and requeues it: a node failure
+                # (recorded, the node excluded from this job for good), not the user's interrupt.
+                cause = Cause.NODE_FAIL
+                detail = f"node failure on {', '.join(down)}: Slurm ended the job (at step {_fmt(progress.step)})"
+                self.run.emit("attempt.failed", attempt=attempt, cls=cause.value, rank=None, exit_code=None,
+                              signal="SIGTERM", last_step=progress.step, node=down[0], lost_nodes=down)
+                self._exclude(down)
+                requeue = True
+                self.backend.stop(handle, grace=0)
+                break
             if self._interrupted and cause is None:
                 cause, detail = Cause.INTERRUPTED, "interrupted by the user"
                 self.run.emit("stop.requested", attempt=attempt, reason="interrupt (Ctrl-C / SIGTERM)",

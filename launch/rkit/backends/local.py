@@ -164,6 +164,9 @@ class LocalBackend:
     def nodes(self, handle: LocalAttempt) -> list[str]:
         return [socket.gethostname()]
 
+    def down_nodes(self, handle: LocalAttempt) -> list[str]:
+        return []  # this machine is up: it runs the supervisor
+
     def stopped_ranks(self, handle: LocalAttempt) -> list[int]:
         """Live ranks with a process in the stopped state (SIGSTOP, a debugger): hung for sure."""
         import psutil

@@ -145,6 +145,13 @@ def requeue(job_id: str) -> bool:
     return done.returncode == 0
 
 
+def exclude_nodes(job_id: str, nodes: list[str]) -> bool:
+    """Keep NODES out of a pending job's next allocation (Slurm refuses this for a running job)."""
+    done = subprocess.run(["scontrol", "update", f"jobid={job_id}", f"ExcNodeList={','.join(nodes)}"],
+                          capture_output=True, text=True, check=False)
+    return done.returncode == 0
+
+
 def cancel(job_id: str) -> bool:
     done = subprocess.run(["scancel", job_id], capture_output=True, text=True, check=False)
     return done.returncode == 0
@@ -324,6 +331,17 @@ class SlurmStepBackend:
 
     def nodes(self, handle: StepHandle) -> list[str]:
         return list(handle.request.nodes)
+
+    def down_nodes(self, handle: StepHandle) -> list[str]:
+        """Nodes of this step that Slurm considers dead (DOWN, FAIL or not responding)."""
+        nodes = list(handle.request.nodes)
+        out = _run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"]) if nodes else ""
+        down = []
+        for line in out.splitlines():
+            name, _, state = line.strip().partition(" ")
+            if name in nodes and name not in down and (state.endswith("*") or state.startswith(("down", "fail"))):
+                down.append(name)
+        return down
 
     def stopped_ranks(self, handle: StepHandle) -> list[int]:
         return []  # the ranks' processes are on other nodes
