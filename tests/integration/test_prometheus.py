@@ -184,7 +184,7 @@ def test_metrics_serve_on_the_finished_run(live: LiveRun):
         with urllib.request.urlopen(match.group(1), timeout=10) as response:
             text = response.read().decode()
     finally:
-        serve.send_signal(signal.SIGINT)
+        serve.send_signal(signal.SIGTERM)  # (SIGINT is ignored when the suite itself runs in the background)
         assert serve.wait(timeout=30) == 0
     metrics = {f.name: f.samples for f in text_string_to_metric_families(text)}
     steps = {s.labels["rank"]: s.value for s in metrics["rkit_step"]}

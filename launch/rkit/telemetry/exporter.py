@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -300,13 +300,17 @@ def bind_error(interface: str, port: int, exc: OSError) -> RkitError:
 
 def serve_until_interrupted(run: RunDir, *, interface: str = DEFAULT_INTERFACE, port: int = DEFAULT_PORT,
                             echo: Callable[[str], None] = print) -> None:
-    """`rkit metrics serve`: every node, rank and event of the run, until Ctrl-C."""
+    """`rkit metrics serve`: every node, rank and event of the run, until Ctrl-C or SIGTERM (both exit 0)."""
     exporter = serve(run, interface=interface, port=port)
+    stop = threading.Event()
+    # SIGTERM as well as SIGINT: a process started in the background by a shell ignores SIGINT.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     echo(f"rkit: serving {run.path}'s metrics at {exporter.url} (Ctrl-C to stop)")
     try:
-        while True:
-            time.sleep(3600)
+        while not stop.wait(1.0):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         exporter.close()
