@@ -138,34 +138,44 @@ class StepSampler:
             return None
 
 
-def pump_metrics(ctx: AgentContext, poll_seconds: float = 0.05) -> threading.Thread:
-    """Follow MaxText's metrics file for this rank and attempt; append one rkit line per step to
-    metrics/<rank>.jsonl (one write each); fire this rank's injections when their step is reached."""
-    tail = MetricsTail(ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank))
-    ctx.run.metrics_dir.mkdir(parents=True, exist_ok=True)
-    ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank).parent.mkdir(parents=True, exist_ok=True)
-    targets = sorted(ctx.injections, key=lambda i: i.step)
-    sampler = StepSampler()
-    node = node_name()
+class MetricsPump:
+    """Follows MaxText's metrics file for this rank and attempt; appends one rkit line per step to
+    metrics/<rank>.jsonl (one write each); fires this rank's injections when their step is reached.
+    A background thread polls; `drain()` reads what is left once MaxText is done (its last step's line is
+    written at the very end, after the thread's last poll)."""
 
-    def pump() -> None:
-        fd = os.open(ctx.run.metrics_file(ctx.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        while True:
-            for raw in tail.poll_raw():
-                line = metrics.enrich(raw, t=time.time(), attempt=ctx.attempt, rank=ctx.rank, node=node,
-                                      peak=sampler.peak, device_memory=sampler.device_memory(),
-                                      host_rss=sampler.host_rss())
+    def __init__(self, ctx: AgentContext):
+        self.ctx = ctx
+        self.tail = MetricsTail(ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank))
+        ctx.run.metrics_dir.mkdir(parents=True, exist_ok=True)
+        ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank).parent.mkdir(parents=True, exist_ok=True)
+        self.targets = sorted(ctx.injections, key=lambda i: i.step)
+        self.sampler = StepSampler()
+        self.node = node_name()
+        self.fd = os.open(ctx.run.metrics_file(ctx.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def drain(self) -> None:
+        with self._lock:
+            for raw in self.tail.poll_raw():
+                line = metrics.enrich(raw, t=time.time(), attempt=self.ctx.attempt, rank=self.ctx.rank,
+                                      node=self.node, peak=self.sampler.peak,
+                                      device_memory=self.sampler.device_memory(), host_rss=self.sampler.host_rss())
                 if line is None:
                     continue
-                os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
-                for inj in [i for i in targets if line["step"] >= i.step]:
-                    targets.remove(inj)  # once per attempt (a hung rank that is continued must not re-fire)
-                    fire(ctx, inj, line["step"])
-            time.sleep(poll_seconds)
+                os.write(self.fd, (json.dumps(line, sort_keys=True) + "\n").encode())
+                for inj in [i for i in self.targets if line["step"] >= i.step]:
+                    self.targets.remove(inj)  # once per attempt (a hung rank that is continued must not re-fire)
+                    fire(self.ctx, inj, line["step"])
 
-    thread = threading.Thread(target=pump, name="rkit-metrics", daemon=True)
-    thread.start()
-    return thread
+    def start(self, poll_seconds: float = 0.05) -> MetricsPump:
+        def loop() -> None:
+            while True:
+                self.drain()
+                time.sleep(poll_seconds)
+
+        threading.Thread(target=loop, name="rkit-metrics", daemon=True).start()
+        return self
 
 
 PREEMPT_FILE = "preempt"
@@ -205,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
 
     start_node_services(ctx.run, ctx.attempt)
     arm_stack_dumps(ctx)
-    pump_metrics(ctx)
+    pump = MetricsPump(ctx).start()
     watch_preempt_request(ctx)
 
     from absl import app
@@ -215,7 +225,10 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
             *rank_overrides(ctx.run, ctx.attempt, ctx.rank)]
-    app.run(train.main, argv=argv)
+    try:
+        app.run(train.main, argv=argv)
+    finally:  # app.run ends with sys.exit: the last steps' lines are read before the process goes
+        pump.drain()
 
 
 if __name__ == "__main__":
