@@ -88,8 +88,8 @@ def status(run: RunDir) -> dict[str, Any]:
     state, reason = run_state(run, events, slurm)
     total = int(resolved["trainer"]["steps"])
     processes = resolved["resources"]["nodes"] * resolved["resources"]["processes_per_node"]
-    view = metrics.merged(run, rank=0)
-    steps = list(view.values())
+    rank0 = metrics.lines(run, 0)  # read once: the merged view and the goodput both need it
+    steps = list(metrics.merge(rank0).values())
     recent = [s for s in steps[-20:] if s["step_time"]]
     step_time = statistics.median(s["step_time"] for s in recent) if recent else None
     tps = [s["tokens_per_sec_per_device"] for s in steps[-20:] if s["tokens_per_sec_per_device"]]
@@ -102,7 +102,7 @@ def status(run: RunDir) -> dict[str, Any]:
     final_loss = steps[-1]["loss"] if steps else None
     # A live run's open session ends now; a finished or stopped one ends at its last record.
     now = time.time() if state in (RunState.RUNNING, RunState.PENDING) else None
-    lost = goodput.compute(events, goodput.run_lines(run, events),
+    lost = goodput.compute(events, goodput.run_lines(run, events, rank0),
                            checkpoint_period=(resolved.get("checkpoint") or {}).get("period"), now=now)
     table = attempts(events)
     return {

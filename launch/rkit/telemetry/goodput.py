@@ -102,19 +102,21 @@ def run_goodput(run: RunDir, now: float | None = None) -> Goodput:
                    now=now)
 
 
-def run_lines(run: RunDir, events: list[dict]) -> list[dict[str, Any]]:
+def run_lines(run: RunDir, events: list[dict], rank0: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Placed metrics lines (see place_lines) enough for goodput and plots: rank 0's, plus every rank's only when
-    some attempt that stepped has no rank-0 line (reading every rank of a large run costs)."""
-    placed = place_lines(events, _rank_lines(run, 0))
+    some attempt that stepped has no rank-0 line (reading every rank of a large run costs). `rank0`: rank 0's
+    lines (metrics.lines) when the caller has read them already."""
+    placed = place_lines(events, _rank_lines(run, 0, rank0))
     stepped = {e.get("attempt") for e in events if e.get("event") == "attempt.first_step"}
     if stepped - {line["attempt"] for line in placed}:
         placed = place_lines(events, [line for rank in metrics.ranks(run) for line in _rank_lines(run, rank)])
     return placed
 
 
-def _rank_lines(run: RunDir, rank: int) -> list[dict[str, Any]]:
+def _rank_lines(run: RunDir, rank: int, read: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     # MaxText's raw lines carry no rank: the file name is the rank.
-    return [{**line, "rank": rank if line.get("rank") is None else line["rank"]} for line in metrics.lines(run, rank)]
+    return [{**line, "rank": rank if line.get("rank") is None else line["rank"]}
+            for line in (metrics.lines(run, rank) if read is None else read)]
 
 
 def place_lines(events: list[dict], lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

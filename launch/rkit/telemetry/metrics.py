@@ -112,8 +112,13 @@ def ranks(run: RunDir) -> list[int]:
 def merged(run: RunDir, rank: int = 0) -> dict[int, dict]:
     """One entry per step: the newest line wins (files are appended attempt after attempt); `recomputed` marks
     steps that were trained more than once because of a restart."""
+    return merge(lines(run, rank))
+
+
+def merge(rank_lines: list[dict[str, Any]]) -> dict[int, dict]:
+    """`merged` of lines already read (one rank's, in file order)."""
     view: dict[int, dict] = {}
-    for line in lines(run, rank):
+    for line in rank_lines:
         seen = view.get(line["step"])
         view[line["step"]] = {**line, "recomputed": seen is not None}
     return dict(sorted(view.items()))
