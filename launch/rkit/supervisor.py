@@ -439,7 +439,7 @@ class Supervisor:
         self.run.emit("attempt.hang", attempt=attempt, rank=rank, ranks=ranks, stopped_ranks=stopped,
                       node=nodes[0] if len(nodes) == 1 else None, last_step=hang.last_steps.get(rank),
                       seconds_silent=hang.seconds_silent, timeout=hang.timeout)
-        dumps = self.backend.dump_stacks(handle, self.run.attempt_dir(attempt) / "stacks")
+        dumps = self.backend.dump_stacks(handle, self.run.attempt_dir(attempt) / "stacks", stopped)
         self.run.emit("attempt.stacks_dumped", attempt=attempt, how=dumps)
         # A hung collective does not save: a short grace, not the preemption one.
         self.backend.stop(handle, grace=min(self._grace, HANG_GRACE_SECONDS))

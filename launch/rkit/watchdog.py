@@ -27,12 +27,11 @@ class HangPolicy:
 
     @classmethod
     def from_resolved(cls, resolved: dict) -> HangPolicy:
-        r = resolved["resilience"]
-        value = r.get("hang_timeout", "auto")
+        r = resolved["resilience"]  # defaults come from the schema, as for Budgets
+        value = r["hang_timeout"]
         return cls(explicit=None if value in ("auto", None) else float(value), enabled=value is not None,
-                   floor=float(r.get("hang_floor_seconds", 60)), factor=float(r.get("hang_factor", 10)),
-                   startup=float(r.get("hang_startup_seconds", 600)),
-                   checkpoint_period=int(resolved["checkpoint"]["period"]))
+                   floor=float(r["hang_floor_seconds"]), factor=float(r["hang_factor"]),
+                   startup=float(r["hang_startup_seconds"]), checkpoint_period=int(resolved["checkpoint"]["period"]))
 
 
 @dataclass(frozen=True)

@@ -183,14 +183,14 @@ class LocalBackend:
                 continue
         return out
 
-    def dump_stacks(self, handle: LocalAttempt, out_dir: Path) -> str:
+    def dump_stacks(self, handle: LocalAttempt, out_dir: Path, stopped: list[int]) -> str:
         """Python stacks of every live rank: py-spy when it is installed (works on a stopped process), else
         SIGQUIT, which the agent's faulthandler writes to stacks/rank-<r>.txt once the process runs (SIGCONT
-        for half a second; a rank that was stopped is stopped again, so a hang stays a hang until the kill)."""
+        for half a second; the `stopped` ranks (stopped_ranks) are stopped again, so a hang stays a hang until the
+        kill)."""
         import psutil
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        stopped = self.stopped_ranks(handle)
         pyspy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
         how = "py-spy" if pyspy else "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"
         for rank, proc in handle.procs.items():

@@ -346,7 +346,7 @@ class SlurmStepBackend:
     def stopped_ranks(self, handle: StepHandle) -> list[int]:
         return []  # the ranks' processes are on other nodes
 
-    def dump_stacks(self, handle: StepHandle, out_dir: Path) -> str:
+    def dump_stacks(self, handle: StepHandle, out_dir: Path, stopped: list[int]) -> str:
         """SIGQUIT to every task of the step (the agents' faulthandler dumps into the rank logs), then SIGCONT."""
         job_id, step = os.environ.get("SLURM_JOB_ID"), self._step_id(handle)
         if not job_id or step is None or handle.proc.poll() is not None:
