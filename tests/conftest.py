@@ -18,39 +18,34 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def missing_test_bed(message: str) -> None:
+    """Integration tests skip with a reason on a laptop without a part of the test bed, and fail in CI (CI=true)."""
+    if in_ci():
+        pytest.fail(f"CI=true and the test bed is missing: {message}")
+    pytest.skip(message)
+
+
 def require_maxtext() -> None:
-    """Integration tests skip with a reason on a laptop without MaxText, and fail in CI (CI=true)."""
     if importlib.util.find_spec("maxtext") is None or importlib.util.find_spec("jax") is None:
-        message = "MaxText/JAX are not installed in this Python; run `make test` (it installs the CPU stack)"
-        if in_ci():
-            pytest.fail(f"CI=true and the test bed is missing: {message}")
-        pytest.skip(message)
+        missing_test_bed("MaxText/JAX are not installed in this Python; run `make test` (it installs the CPU stack)")
+
+
+def require_program(name: str, env_var: str, installer: str) -> str:
+    """The path of a real program of the test bed (`env_var` may name another); make test installs it as root."""
+    import shutil
+
+    found = shutil.which(os.environ.get(env_var, name))
+    if not found:
+        missing_test_bed(f"{name} is not installed; run `sudo {installer}` (make test does it as root)")
+    return found
 
 
 def require_apptainer() -> str:
-    """Image tests need a real Apptainer (make test installs it with ci/install-apptainer.sh)."""
-    import shutil
-
-    found = shutil.which(os.environ.get("RKIT_APPTAINER", "apptainer"))
-    if not found:
-        message = "apptainer is not installed; run `sudo ci/install-apptainer.sh` (make test does it as root)"
-        if in_ci():
-            pytest.fail(f"CI=true and the test bed is missing: {message}")
-        pytest.skip(message)
-    return found
+    return require_program("apptainer", "RKIT_APPTAINER", "ci/install-apptainer.sh")
 
 
 def require_prometheus() -> str:
-    """The exporter's end-to-end test needs a real Prometheus server (make test installs Debian's)."""
-    import shutil
-
-    found = shutil.which(os.environ.get("RKIT_PROMETHEUS", "prometheus"))
-    if not found:
-        message = "prometheus is not installed; run `sudo ci/install-prometheus.sh` (make test does it as root)"
-        if in_ci():
-            pytest.fail(f"CI=true and the test bed is missing: {message}")
-        pytest.skip(message)
-    return found
+    return require_program("prometheus", "RKIT_PROMETHEUS", "ci/install-prometheus.sh")
 
 
 def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,

@@ -15,7 +15,7 @@ import pytest
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged
 
-from ..conftest import REPO, in_ci, require_maxtext, rkit
+from ..conftest import REPO, missing_test_bed, require_maxtext, rkit
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -29,10 +29,8 @@ def cluster() -> dict[str, str]:
     require_maxtext()
     done = subprocess.run([str(TESTBED), "status"], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        message = "the Slurm test bed is not up; start it with `ci/slurm-testbed.sh up` (make test does)"
-        if in_ci():
-            pytest.fail(f"CI=true and the test bed is missing: {message}\n{done.stdout}{done.stderr}")
-        pytest.skip(message)
+        missing_test_bed("the Slurm test bed is not up; start it with `ci/slurm-testbed.sh up` (make test does)"
+                         f"\n{done.stdout}{done.stderr}")
     base = os.environ.get("RKIT_SLURM_BASE", "/opt/rkit-ci/slurm")
     return {"PATH": f"{base}/bin:{os.environ['PATH']}"}
 
