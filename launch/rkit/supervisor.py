@@ -500,9 +500,11 @@ class StragglerWatch:
 
     def check(self) -> None:
         now = self.clock()
-        if now < self._next or len({line["node"] for line in self.lines}) < 2:
+        if now < self._next:
             return
-        self._next = now + self.every
+        self._next = now + self.every  # also when there is one node: this runs on every poll of the supervisor
+        if len({line["node"] for line in self.lines}) < 2:
+            return
         for s in find_stragglers(self.lines, self.factor, start_step=self.first_step):
             if s.node not in self.flagged:
                 self.flagged.add(s.node)
