@@ -13,7 +13,6 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from .inject import FIRED_EVENT, Injection
 from .rundir import RunDir, write_json_atomic
 from .telemetry import metrics
 from .telemetry.metrics import MetricsTail
+from .telemetry.node import node_name, start_node_services
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,6 @@ def arm_stack_dumps(ctx: AgentContext) -> Path:
 
 
 _STACKS_FILE = None
-
-
-def node_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class StepSampler:
@@ -211,9 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx.run.emit("agent.started", attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())
     init_distributed(ctx)
     write_env_manifest(ctx)
-    from .telemetry.node import start_node_services  # health sampler + exporter; local rank 0 of a node only
-
-    start_node_services(ctx.run, ctx.attempt)
+    start_node_services(ctx.run, ctx.attempt)  # health sampler + exporter; local rank 0 of a node only
     arm_stack_dumps(ctx)
     pump = MetricsPump(ctx).start()
     watch_preempt_request(ctx)
