@@ -13,29 +13,19 @@ delay in writing a step's metrics).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchruns import events, first, run_tiny
 
 
 def measure(workdir: Path, name: str, steps: int, hang_step: int, timeout: float) -> dict[str, float]:
-    argv = [sys.executable, "-m", "rkit.cli", "run", str(REPO / "recipes" / "tiny-cpu.yaml"), "--quiet",
-            "-o", f"name={name}", "-o", f"trainer.steps={steps}", "-o", "checkpoint.period=10",
-            "-o", f"resilience.hang_timeout={timeout}", "--inject", f"hang:rank=1,step={hang_step}"]
-    subprocess.run(argv, cwd=workdir, check=True, capture_output=True)
-    events = [json.loads(line) for line in (workdir / "runs" / name / "events.jsonl").read_text().splitlines()]
-
-    def first(kind: str, attempt: int | None = None) -> dict:
-        return next(e for e in events if e["event"] == kind and (attempt is None or e.get("attempt") == attempt))
-
-    fired = first("inject.fired")["t"]
-    return {"detection": first("attempt.hang")["t"] - fired,
-            "replaced": first("attempt.first_step", 2)["t"] - fired}
+    evs = events(run_tiny(workdir, name, "-o", f"trainer.steps={steps}", "-o", "checkpoint.period=10",
+                          "-o", f"resilience.hang_timeout={timeout}", "--inject", f"hang:rank=1,step={hang_step}"))
+    fired = first(evs, "inject.fired")["t"]
+    return {"detection": first(evs, "attempt.hang")["t"] - fired,
+            "replaced": first(evs, "attempt.first_step", attempt=2)["t"] - fired}
 
 
 def main() -> None:

@@ -15,31 +15,21 @@ the ratios image / host are printed side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchruns import events, first, run_tiny
 
 
 def measure(workdir: Path, name: str, steps: int, kill_step: int, image: str = "none") -> dict[str, float]:
-    argv = [sys.executable, "-m", "rkit.cli", "run", str(REPO / "recipes" / "tiny-cpu.yaml"), "--quiet",
-            "-o", f"name={name}", "-o", f"trainer.steps={steps}", "-o", "checkpoint.period=10",
-            "-o", f"image={image}", "--inject", f"kill:rank=1,step={kill_step}"]
-    subprocess.run(argv, cwd=workdir, check=True, capture_output=True)
-    events = [json.loads(line) for line in (workdir / "runs" / name / "events.jsonl").read_text().splitlines()]
-
-    def first(kind: str, attempt: int | None = None) -> dict:
-        return next(e for e in events if e["event"] == kind and (attempt is None or e.get("attempt") == attempt))
-
+    evs = events(run_tiny(workdir, name, "-o", f"trainer.steps={steps}", "-o", "checkpoint.period=10",
+                          "-o", f"image={image}", "--inject", f"kill:rank=1,step={kill_step}"))
     return {
-        "cold start": first("attempt.first_step", 1)["t"] - first("attempt.started", 1)["t"],
-        "submit->step": first("attempt.first_step", 1)["t"] - first("run.submitted")["t"],
-        "restart": first("attempt.first_step", 2)["t"] - first("attempt.failed", 1)["t"],
-        "run wall": first("run.finished")["t"] - first("run.submitted")["t"],
+        "cold start": first(evs, "attempt.first_step", attempt=1)["t"] - first(evs, "attempt.started", attempt=1)["t"],
+        "submit->step": first(evs, "attempt.first_step", attempt=1)["t"] - first(evs, "run.submitted")["t"],
+        "restart": first(evs, "attempt.first_step", attempt=2)["t"] - first(evs, "attempt.failed", attempt=1)["t"],
+        "run wall": first(evs, "run.finished")["t"] - first(evs, "run.submitted")["t"],
     }
 
 

@@ -23,6 +23,7 @@ Steps recomputed: steps trained before the fault that the resumed attempt trains
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,21 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchruns import REPO, events, first
+
 RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
-
-
-def events(run: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
-    except (FileNotFoundError, ValueError):
-        return []
-
-
-def first(evs: list[dict], kind: str, **match) -> dict:
-    return next(e for e in evs if e["event"] == kind and all(e.get(k) == v for k, v in match.items()))
 
 
 def max_step(run: Path) -> int:
@@ -78,26 +70,39 @@ def finished(run: Path, job: str) -> bool:
     return not queue.strip() and any(e["event"] in ("run.finished", "run.gave_up") for e in events(run))
 
 
-def node_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
-    run = submit(workdir, f"crash-{i}", image)
-    job = first(events(run), "job.submitted")["job_id"]
+@contextlib.contextmanager
+def crashed(run: Path, which: int) -> Iterator[dict[str, float]]:
+    """Crash node `which` of attempt 1's step once rank 0 is past step 25; the node is restored on the way out.
+    Yields the crash time and the last step trained before it."""
     wait(lambda: (run / "metrics" / "0.jsonl").exists() and max_step(run) >= 25)
-    victim = json.loads((run / "attempts" / "1" / "attempt.json").read_text())["launch"]["nodes"][1]
-    last_before = max_step(run)
-    crashed = time.time()
+    victim = json.loads((run / "attempts" / "1" / "attempt.json").read_text())["launch"]["nodes"][which]
+    fault = {"last_before": max_step(run), "crashed": time.time()}
     subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "crash", victim], check=True, capture_output=True)
     try:
-        wait(lambda: finished(run, job))
+        yield fault
     finally:
         subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "restore", victim], capture_output=True)
-    evs = events(run)
-    failed = first(evs, "attempt.failed")
+
+
+def resumed(evs: list[dict], fault: dict[str, float]) -> dict[str, float]:
+    """Attempt 2 from its step launch: container start, MaxText start + restore, the total, steps recomputed."""
     started = first(evs, "attempt.started", attempt=2)
     agent = min(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2)
     step = first(evs, "attempt.first_step", attempt=2)
-    return {"detection": failed["t"] - crashed, "relaunch": started["t"] - failed["t"],
-            "container": agent - started["t"], "maxtext": step["t"] - agent, "total": step["t"] - crashed,
-            "recomputed": max(0, last_before - started["resume_from_step"])}
+    return {"container": agent - started["t"], "maxtext": step["t"] - agent, "total": step["t"] - fault["crashed"],
+            "recomputed": max(0, fault["last_before"] - started["resume_from_step"])}
+
+
+def node_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
+    run = submit(workdir, f"crash-{i}", image)
+    job = first(events(run), "job.submitted")["job_id"]
+    with crashed(run, which=1) as fault:
+        wait(lambda: finished(run, job))
+    evs = events(run)
+    failed = first(evs, "attempt.failed")
+    started = first(evs, "attempt.started", attempt=2)
+    return {"detection": failed["t"] - fault["crashed"], "relaunch": started["t"] - failed["t"],
+            **resumed(evs, fault)}
 
 
 def job_state(job: str) -> str:
@@ -107,26 +112,15 @@ def job_state(job: str) -> str:
 def batch_host_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
     run = submit(workdir, f"batch-{i}", image, extra=("-o", "slurm.spare_nodes=0"))
     job = first(events(run), "job.submitted")["job_id"]
-    wait(lambda: (run / "metrics" / "0.jsonl").exists() and max_step(run) >= 25)
-    victim = json.loads((run / "attempts" / "1" / "attempt.json").read_text())["launch"]["nodes"][0]
-    last_before = max_step(run)
-    crashed = time.time()
-    subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "crash", victim], check=True, capture_output=True)
-    try:
+    with crashed(run, which=0) as fault:  # the batch script and the supervisor run on the first node
         wait(lambda: job_state(job) != "RUNNING", timeout=120)
         detected = time.time()
         wait(lambda: finished(run, job), timeout=600)
-    finally:
-        subprocess.run([str(REPO / "ci" / "slurm-testbed.sh"), "restore", victim], capture_output=True)
     evs = events(run)
     restarted = first(evs, "job.started", restart_count=1)
     started = first(evs, "attempt.started", attempt=2)
-    agent = min(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2)
-    step = first(evs, "attempt.first_step", attempt=2)
-    return {"detection": detected - crashed, "requeue wait": restarted["t"] - detected,
-            "supervisor": started["t"] - restarted["t"], "container": agent - started["t"],
-            "maxtext": step["t"] - agent, "total": step["t"] - crashed,
-            "recomputed": max(0, last_before - started["resume_from_step"])}
+    return {"detection": detected - fault["crashed"], "requeue wait": restarted["t"] - detected,
+            "supervisor": started["t"] - restarted["t"], **resumed(evs, fault)}
 
 
 def usr1(workdir: Path, i: int, image: str) -> dict[str, float]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchruns import REPO, run_tiny
+
 sys.path.insert(0, str(REPO / "launch"))
 
 from rkit.rundir import RunDir  # noqa: E402
@@ -37,13 +37,9 @@ def steady_step_time(run: RunDir, skip: int = 10) -> float:
 
 
 def measure(workdir: Path, name: str, steps: int, interval: float, mode: str) -> float:
-    argv = [sys.executable, "-m", "rkit.cli", "run", str(REPO / "recipes" / "tiny-cpu.yaml"), "--quiet",
-            "-o", f"name={name}", "-o", f"trainer.steps={steps}", "-o", f"checkpoint.period={steps}",
-            *MODES[mode]]
-    if mode == "on":
-        argv += ["-o", f"observability.telemetry_interval_seconds={interval}"]
-    subprocess.run(argv, cwd=workdir, check=True, capture_output=True)
-    run = RunDir(workdir / "runs" / name)
+    extra = ["-o", f"observability.telemetry_interval_seconds={interval}"] if mode == "on" else []
+    run = RunDir(run_tiny(workdir, name, "-o", f"trainer.steps={steps}", "-o", f"checkpoint.period={steps}",
+                          *MODES[mode], *extra))
     if mode == "on":
         samples = list((run.path / "telemetry").glob("*.jsonl"))
         assert samples and samples[0].stat().st_size > 0, "telemetry on, but no samples were written"
