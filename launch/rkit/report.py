@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .policy import RunState
 from .rundir import RunDir
-from .supervisor import RunState
 from .telemetry import goodput, metrics
 from .telemetry.stragglers import straggler_events
 from .trainers import maxtext

@@ -17,6 +17,38 @@ EVENTS = "events.jsonl"
 LOCK = ".lock"
 
 
+class EV:
+    """The event vocabulary of events.jsonl: every name rkit writes or reads."""
+
+    RUN_SUBMITTED = "run.submitted"
+    RUN_RESUMED = "run.resumed"
+    RUN_FINISHED = "run.finished"
+    RUN_GAVE_UP = "run.gave_up"
+    RUN_INTERRUPTED = "run.interrupted"
+    JOB_SUBMITTED = "job.submitted"
+    JOB_STARTED = "job.started"
+    JOB_REQUEUE_REQUESTED = "job.requeue_requested"
+    JOB_REQUEUED = "job.requeued"
+    JOB_CANCEL_REQUESTED = "job.cancel_requested"
+    ATTEMPT_STARTED = "attempt.started"
+    ATTEMPT_FIRST_STEP = "attempt.first_step"
+    ATTEMPT_FAILED = "attempt.failed"
+    ATTEMPT_HANG = "attempt.hang"
+    ATTEMPT_STACKS_DUMPED = "attempt.stacks_dumped"
+    ATTEMPT_NO_NODES = "attempt.no_nodes"
+    ATTEMPT_ENDED = "attempt.ended"
+    AGENT_STARTED = "agent.started"
+    STOP_REQUESTED = "stop.requested"
+    PREEMPT_REQUESTED = "preempt.requested"
+    PREEMPT_SAVED = "preempt.saved"
+    PREEMPT_UNSAVED = "preempt.unsaved"
+    PREEMPT_ESCALATED = "preempt.escalated"
+    NODES_EXCLUDED = "nodes.excluded"
+    NODE_STRAGGLER = "node.straggler"
+    INJECT_FIRED = "inject.fired"
+    DISK_LOW = "disk.low"
+
+
 def write_json_atomic(path: Path, value: Any) -> None:
     """Write JSON so a reader never sees half a file (temp file + rename)."""
     tmp = path.with_name(f".{path.name}.tmp")

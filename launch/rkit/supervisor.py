@@ -6,12 +6,11 @@ tested exhaustively; `Supervisor` does the I/O: the backend, the run directory's
 
 from __future__ import annotations
 
-import enum
 import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backends.local import LocalBackend, RankExit
@@ -19,149 +18,12 @@ from .backends.slurm import NotEnoughNodes
 from .errors import RkitError
 from .image import ImageIdentity
 from .inject import Injection, pending
+from .policy import Action, Budgets, Cause, Decision, Outcome, Progress, RunState, Tally, decide, tally_from_events
 from .rundir import RunDir, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
 from .telemetry.stragglers import find_stragglers
 from .trainers import maxtext
 from .watchdog import HangPolicy, HangWatch
-
-
-class RunState(enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    FINISHED = "finished"
-    GAVE_UP = "gave up"
-    INTERRUPTED = "interrupted"
-    REQUEUED = "requeued"  # the batch job goes back to the queue and the run continues when it restarts
-    STOPPED = "stopped"  # the supervisor went away without saying why (killed, machine lost)
-
-    def is_terminal(self) -> bool:
-        return self in (RunState.FINISHED, RunState.GAVE_UP)
-
-
-class Cause(enum.Enum):
-    """How an attempt ended."""
-
-    COMPLETED = "completed"          # every rank exited 0 and the final step is committed
-    TASK_EXIT = "task_exit"          # a rank exited non-zero
-    TASK_SIGNAL = "task_signal"      # a rank was killed by a signal
-    PREEMPTED = "preempted"          # we asked for a save (SIGTERM) on a preemption / time-limit signal
-    NODE_FAIL = "node_fail"          # a node of the step died (Slurm's view of the step)
-    HANG = "hang"                    # a rank made no step progress within the hang timeout
-    INCOMPLETE = "incomplete"        # every rank exited 0 but the final step is not committed
-    INTERRUPTED = "interrupted"      # the user stopped the run (Ctrl-C)
-    LAUNCH_ERROR = "launch_error"    # the processes could not be started
-    LOST = "lost"                    # the attempt's supervisor died with it (batch host lost, machine lost)
-
-    @property
-    def infrastructure(self) -> bool:
-        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST)
-
-
-@dataclass(frozen=True)
-class Budgets:
-    max_restarts: int
-    max_infra_restarts: int
-    crash_loop_limit: int
-
-    @classmethod
-    def from_resolved(cls, resolved: dict) -> Budgets:
-        r = resolved["resilience"]
-        return cls(r["max_restarts"], r["max_infra_restarts"], r["crash_loop_limit"])
-
-
-@dataclass(frozen=True)
-class Outcome:
-    cause: Cause
-    committed_before: int | None
-    committed_after: int | None
-    detail: str = ""
-    requeue: bool = False  # the allocation cannot go on: a time-limit/preemption signal, or too few healthy nodes
-
-    @property
-    def progressed(self) -> bool:
-        return self.committed_after is not None and (self.committed_before is None
-                                                     or self.committed_after > self.committed_before)
-
-
-@dataclass(frozen=True)
-class Tally:
-    """What earlier attempts used of the budgets."""
-
-    training_failures: int = 0
-    infra_failures: int = 0  # node failures, preemptions, requeues
-    stalled: int = 0  # consecutive failed attempts without a new committed checkpoint
-    stalled_details: tuple[str, ...] = ()
-
-
-class Action(enum.Enum):
-    RESTART = "restart"
-    REQUEUE = "requeue"
-    FINISH = "finish"
-    GIVE_UP = "give_up"
-    STOP = "stop"
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    reason: str
-
-
-def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bool) -> tuple[Decision, Tally]:
-    """Pure policy: classify first, then spend the matching budget."""
-    if final_committed:
-        return Decision(Action.FINISH, "the final step is committed"), tally
-    if outcome.cause is Cause.INTERRUPTED:
-        return Decision(Action.STOP, "stopped by the user; resume with `rkit run RECIPE --resume`"), tally
-    if outcome.cause is Cause.LAUNCH_ERROR:
-        return Decision(Action.GIVE_UP, f"the processes could not be started: {outcome.detail}"), tally
-    if outcome.cause.infrastructure:
-        tally = replace(tally, infra_failures=tally.infra_failures + 1, stalled=0, stalled_details=())
-        if tally.infra_failures > budgets.max_infra_restarts:
-            return Decision(Action.GIVE_UP, f"infrastructure budget exhausted ({budgets.max_infra_restarts} "
-                                            f"allowed: resilience.max_infra_restarts); last: {outcome.detail}"), tally
-        if outcome.requeue:
-            return Decision(Action.REQUEUE, f"{outcome.detail}; requeueing the job, it resumes from the last "
-                                            "checkpoint"), tally
-        return Decision(Action.RESTART, f"{outcome.detail}; resuming from the last checkpoint"), tally
-    stalled = 0 if outcome.progressed else tally.stalled + 1
-    details = () if outcome.progressed else tally.stalled_details + (outcome.detail,)
-    tally = replace(tally, training_failures=tally.training_failures + 1, stalled=stalled, stalled_details=details)
-    if stalled >= budgets.crash_loop_limit:
-        last = "none" if outcome.committed_after is None else str(outcome.committed_after)
-        same = len(set(details)) == 1
-        how = (f"each failed the same way: {details[0]}. This looks deterministic: fix the cause and "
-               "run again with --resume" if same else "failures: " + "; ".join(details))
-        return Decision(Action.GIVE_UP, f"crash loop: {stalled} consecutive attempts failed without a new "
-                                        f"committed checkpoint (last committed step {last}); {how}"), tally
-    if tally.training_failures > budgets.max_restarts:
-        return Decision(Action.GIVE_UP, f"restart budget exhausted: {tally.training_failures} training failures, "
-                                        f"{budgets.max_restarts} restarts allowed (resilience.max_restarts); "
-                                        f"last: {outcome.detail}"), tally
-    return Decision(Action.RESTART, f"{outcome.detail}; restarting from the last committed checkpoint"), tally
-
-
-def tally_from_events(events: list[dict]) -> Tally:
-    """Budgets carry over when a run is resumed: replay the recorded decisions."""
-    tally = Tally()
-    for e in events:
-        if e.get("event") == "attempt.ended" and "tally" in e:
-            t = e["tally"]
-            tally = Tally(t["training_failures"], t["infra_failures"], t["stalled"], tuple(t["stalled_details"]))
-    return tally
-
-
-@dataclass
-class Progress:
-    """What the display needs; updated by the supervisor as the run moves."""
-
-    total_steps: int
-    attempt: int = 0
-    step: int | None = None
-    committed: int | None = None
-    tokens_per_sec: float | None = None
-    message: str = ""
 
 
 @dataclass
@@ -212,7 +74,8 @@ class Supervisor:
         return max(self.run.attempt_numbers(), default=0) + 1
 
     def run_to_end(self) -> RunState:
-        budgets = Budgets.from_resolved(self.resolved)
+        r = self.resolved["resilience"]
+        budgets = Budgets(r["max_restarts"], r["max_infra_restarts"], r["crash_loop_limit"])
         events = self.run.events()
         tally = tally_from_events(events)
         progress = Progress(total_steps=int(self.resolved["trainer"]["steps"]))
@@ -251,8 +114,7 @@ class Supervisor:
     def _record_end(self, attempt: int, outcome: Outcome, decision: Decision, tally: Tally) -> None:
         self.run.emit("attempt.ended", attempt=attempt, cause=outcome.cause.value, detail=outcome.detail,
                       committed_step=outcome.committed_after, decision=decision.action.value, reason=decision.reason,
-                      tally={"training_failures": tally.training_failures, "infra_failures": tally.infra_failures,
-                             "stalled": tally.stalled, "stalled_details": list(tally.stalled_details)})
+                      tally=tally.as_dict())
 
     def _lost_attempt(self, events: list[dict]) -> tuple[int, Outcome] | None:
         """An attempt that started and never ended: its supervisor died with it (Slurm requeued the job after
@@ -334,6 +196,7 @@ class Supervisor:
         stragglers = StragglerWatch(self.run, attempt, float(self.resolved["observability"]["straggler_factor"]),
                                     self.clock)
         requeue = False
+        sig: dict = {}  # what identifies a failure (Outcome.signature)
         cause: Cause | None = None
         detail = ""
         preempt_deadline: float | None = None
@@ -364,7 +227,7 @@ class Supervisor:
                 self.run.emit("attempt.failed", attempt=attempt, cls=cause.value, rank=None, exit_code=None,
                               signal="SIGTERM", last_step=progress.step, node=down[0], lost_nodes=down)
                 self._exclude(down)
-                requeue = True
+                requeue, sig = True, {"nodes": tuple(down)}
                 self.backend.stop(handle, grace=0)
                 break
             if self._interrupted and cause is None:
@@ -388,17 +251,22 @@ class Supervisor:
             hang = watch.check(self.clock()) if cause is None and not failed else None
             if hang is not None:
                 cause = Cause.HANG
-                detail = self._end_hung_attempt(handle, attempt, hang, info["nodes"])
+                detail, rank = self._end_hung_attempt(handle, attempt, hang, info["nodes"])
+                sig = {"rank": rank, "step": hang.last_steps.get(rank)}
                 break
             if failed and cause is None:
                 first = failed[0]
+                for m in tails[first.rank].poll():  # its last lines may have landed after this round's read
+                    watch.progress(first.rank, m.step, m.step_time, self.clock())
                 last = tails[first.rank].last.step if tails[first.rank].last else None
+                sig = {"rank": first.rank, "code": first.returncode, "step": last}
                 node = first.node or info["nodes"][0]
                 lost = list(getattr(handle, "failed_nodes", []))
                 if lost:
                     cause = Cause.NODE_FAIL
                     detail = f"node failure on {', '.join(lost)} (rank {first.rank} lost at step {_fmt(last)})"
                     requeue = self._exclude(lost)
+                    sig["nodes"] = tuple(lost)
                 else:
                     cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
                     detail = f"rank {first.rank} {first.describe()} at step {_fmt(last)}"
@@ -429,10 +297,11 @@ class Supervisor:
                      "committed_step": committed_after,
                      "exits": {str(r): _exit_info(e) for r, e in sorted(handle.exits.items())}})
         write_json_atomic(attempt_dir / "attempt.json", info)
-        return Outcome(cause, committed_before, committed_after, detail, requeue=requeue)
+        return Outcome(cause, committed_before, committed_after, detail, requeue=requeue, **sig)
 
-    def _end_hung_attempt(self, handle: object, attempt: int, hang: object, nodes: list[str]) -> str:
-        """Stack dumps where possible, then SIGTERM, a short grace, SIGKILL. Returns the failure detail."""
+    def _end_hung_attempt(self, handle: object, attempt: int, hang: object, nodes: list[str]) -> tuple[str, int]:
+        """Stack dumps where possible, then SIGTERM, a short grace, SIGKILL. Returns the failure detail and the
+        rank it names (a stopped one first)."""
         stopped = self.backend.stopped_ranks(handle)
         ranks = sorted(hang.ranks, key=lambda r: (r not in stopped, hang.ranks.index(r)))
         rank = ranks[0]
@@ -444,7 +313,7 @@ class Supervisor:
         # A hung collective does not save: a short grace, not the preemption one.
         self.backend.stop(handle, grace=min(self._grace, HANG_GRACE_SECONDS))
         return (f"hang: rank {rank} made no step progress for {hang.seconds_silent:.0f} s (timeout "
-                f"{hang.timeout:.0f} s, last step {_fmt(hang.last_steps.get(rank))})")
+                f"{hang.timeout:.0f} s, last step {_fmt(hang.last_steps.get(rank))})"), rank
 
     def _request_save(self, handle: object, attempt: int, step: int | None, *, reason: str,
                       **fields: object) -> float:

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from rkit.supervisor import Action, Budgets, Cause, Outcome, RunState, Tally, decide, tally_from_events
+from rkit.policy import Action, Budgets, Cause, Outcome, RunState, Tally, decide, tally_from_events
 
 BUDGETS = Budgets(max_restarts=3, max_infra_restarts=2, crash_loop_limit=3)
 
@@ -26,8 +26,8 @@ def test_training_failures_with_progress_restart_until_budget():
     tally = Tally()
     actions = []
     for i in range(5):
-        decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, i * 10, i * 10 + 10, "rank 0 exited"), BUDGETS,
-                                 False)
+        outcome = Outcome(Cause.TASK_EXIT, i * 10, i * 10 + 10, "rank 0 exited", rank=0, code=1, step=i * 10 + 7)
+        decision, tally = decide(tally, outcome, BUDGETS, False)
         actions.append(decision.action)
     assert actions == [Action.RESTART] * 3 + [Action.GIVE_UP] * 2
     assert tally.stalled == 0
@@ -49,11 +49,61 @@ def test_crash_loop_is_diagnosed_when_no_checkpoint_progress():
 def test_progress_resets_the_crash_loop_count():
     budgets = Budgets(max_restarts=10, max_infra_restarts=2, crash_loop_limit=2)
     tally = Tally()
-    for before, after in [(5, 5), (5, 10), (10, 10)]:
-        decision, tally = decide(tally, Outcome(Cause.TASK_SIGNAL, before, after, "killed"), budgets, False)
+    # Killed at a different step each time: not the same failure, so only the progress rule counts.
+    for step, (before, after) in zip([7, 12, 17], [(5, 5), (5, 10), (10, 10)], strict=True):
+        outcome = Outcome(Cause.TASK_SIGNAL, before, after, "killed", rank=1, code=-9, step=step)
+        decision, tally = decide(tally, outcome, budgets, False)
         assert decision.action is Action.RESTART
-    decision, tally = decide(tally, Outcome(Cause.TASK_SIGNAL, 10, 10, "killed"), budgets, False)
-    assert decision.action is Action.GIVE_UP
+    decision, tally = decide(tally, Outcome(Cause.TASK_SIGNAL, 10, 10, "killed", rank=1, code=-9, step=19),
+                             budgets, False)
+    assert decision.action is Action.GIVE_UP and "without a new committed checkpoint" in decision.reason
+
+
+def test_the_same_failure_is_a_crash_loop_even_when_a_checkpoint_slipped_in():
+    """An async save may commit during any attempt: the same rank, exit code and step in a row is a crash loop."""
+    budgets = Budgets(max_restarts=3, max_infra_restarts=10, crash_loop_limit=2)
+    detail = "rank 0 exited with code 3 at step 15"
+    tally = Tally()
+    decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, None, 10, detail, rank=0, code=3, step=15), budgets,
+                             False)
+    assert decision.action is Action.RESTART and tally.repeats == 1
+    decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, 10, 10, detail, rank=0, code=3, step=15), budgets,
+                             False)
+    assert decision.action is Action.GIVE_UP and decision.reason.startswith("crash loop")
+    assert detail in decision.reason and "2 consecutive attempts failed the same way" in decision.reason
+
+
+@pytest.mark.parametrize("other", [dict(rank=1, code=3, step=15), dict(rank=0, code=4, step=15),
+                                   dict(rank=0, code=3, step=16), dict(rank=0, code=-9, step=15)])
+def test_a_different_failure_starts_the_count_again(other):
+    budgets = Budgets(max_restarts=10, max_infra_restarts=10, crash_loop_limit=2)
+    first = Outcome(Cause.TASK_EXIT, None, 10, "a", rank=0, code=3, step=15)
+    cause = Cause.TASK_SIGNAL if other["code"] < 0 else Cause.TASK_EXIT
+    _, tally = decide(Tally(), first, budgets, False)
+    decision, tally = decide(tally, Outcome(cause, 10, 20, "b", **other), budgets, False)
+    assert decision.action is Action.RESTART and tally.repeats == 1
+
+
+def test_identical_hangs_are_a_crash_loop_before_the_infrastructure_budget_is_gone():
+    budgets = Budgets(max_restarts=3, max_infra_restarts=10, crash_loop_limit=3)
+    tally = Tally()
+    actions = []
+    for _ in range(3):
+        hang = Outcome(Cause.HANG, 10, 10, "hang: rank 1 made no step progress", rank=1, step=12)
+        decision, tally = decide(tally, hang, budgets, False)
+        actions.append(decision.action)
+    assert actions == [Action.RESTART, Action.RESTART, Action.GIVE_UP] and tally.infra_failures == 3
+    assert "crash loop" in decision.reason and "rank 1" in decision.reason
+
+
+def test_repeated_preemptions_are_never_a_crash_loop():
+    budgets = Budgets(max_restarts=3, max_infra_restarts=10, crash_loop_limit=2)
+    tally = Tally()
+    for _ in range(5):
+        decision, tally = decide(tally, Outcome(Cause.PREEMPTED, 10, 10, "SIGUSR1", requeue=True, step=12), budgets,
+                                 False)
+        assert decision.action is Action.REQUEUE
+    assert tally.repeats == 0
 
 
 def test_infrastructure_failures_have_their_own_budget():
@@ -79,6 +129,8 @@ def test_tally_is_replayed_from_events():
     events = [{"event": "attempt.ended", "tally": {"training_failures": 2, "infra_failures": 1, "stalled": 1,
                                                    "stalled_details": ["x"]}}]
     assert tally_from_events(events) == Tally(2, 1, 1, ("x",))
+    tally = Tally(1, 2, 0, (), "task_exit rank=0 code=3 step=15", 1)
+    assert tally_from_events([{"event": "attempt.ended", "tally": tally.as_dict()}]) == tally
 
 
 @pytest.mark.parametrize("state,terminal", [(RunState.FINISHED, True), (RunState.GAVE_UP, True),

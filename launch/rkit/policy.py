@@ -1,0 +1,210 @@
+"""Pure policy: run states, attempt causes, budgets, how an attempt ended (`classify`) and what to do next
+(`decide`). No I/O, no clock: every rule here is tested exhaustively without processes or sleeping.
+
+The supervisor (supervisor.py) applies it; `rkit status` reads its states.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from .rundir import EV
+
+
+class RunState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHED = "finished"
+    GAVE_UP = "gave up"
+    INTERRUPTED = "interrupted"
+    REQUEUED = "requeued"  # the batch job goes back to the queue and the run continues when it restarts
+    STOPPED = "stopped"  # the supervisor went away without saying why (killed, machine lost)
+
+    def is_terminal(self) -> bool:
+        """Nothing more will happen to the run without a new `rkit run --resume`."""
+        return self in (RunState.FINISHED, RunState.GAVE_UP)
+
+    def is_final(self) -> bool:
+        """No supervisor is working on the run (it may still be resumed)."""
+        return self in (RunState.FINISHED, RunState.GAVE_UP, RunState.INTERRUPTED, RunState.STOPPED)
+
+
+# The event that ends a run, and the state it leaves the run in.
+FINAL_EVENTS = {EV.RUN_FINISHED: RunState.FINISHED, EV.RUN_GAVE_UP: RunState.GAVE_UP,
+                EV.RUN_INTERRUPTED: RunState.INTERRUPTED}
+
+
+class Cause(enum.Enum):
+    """How an attempt ended."""
+
+    COMPLETED = "completed"          # every rank exited 0 and the final step is committed
+    TASK_EXIT = "task_exit"          # a rank exited non-zero
+    TASK_SIGNAL = "task_signal"      # a rank was killed by a signal
+    PREEMPTED = "preempted"          # we asked for a save (SIGTERM) on a preemption / time-limit signal
+    NODE_FAIL = "node_fail"          # a node of the step died (Slurm's view of the step)
+    HANG = "hang"                    # a rank made no step progress within the hang timeout
+    INCOMPLETE = "incomplete"        # every rank exited 0 but the final step is not committed
+    INTERRUPTED = "interrupted"      # the user stopped the run (Ctrl-C)
+    LAUNCH_ERROR = "launch_error"    # the processes could not be started
+    LOST = "lost"                    # the attempt's supervisor died with it (batch host lost, machine lost)
+
+    @property
+    def infrastructure(self) -> bool:
+        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    max_restarts: int
+    max_infra_restarts: int
+    crash_loop_limit: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    cause: Cause
+    committed_before: int | None
+    committed_after: int | None
+    detail: str = ""
+    requeue: bool = False  # the allocation cannot go on: a time-limit/preemption signal, or too few healthy nodes
+    # What identifies the failure, for the crash-loop rule: the failing rank, its exit code (negative: the
+    # signal), the step it last completed, the nodes lost.
+    rank: int | None = None
+    code: int | None = None
+    step: int | None = None
+    nodes: tuple[str, ...] = ()
+
+    @property
+    def progressed(self) -> bool:
+        return self.committed_after is not None and (self.committed_before is None
+                                                     or self.committed_after > self.committed_before)
+
+    @property
+    def signature(self) -> str | None:
+        """Two attempts with the same signature failed the same way. Preemptions and lost supervisors are
+        events of the cluster, not of the job: they have none and never make a crash loop."""
+        step = "?" if self.step is None else str(self.step)
+        if self.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL):
+            return f"{self.cause.value} rank={self.rank} code={self.code} step={step}"
+        if self.cause is Cause.HANG:
+            return f"hang rank={self.rank} step={step}"
+        if self.cause is Cause.NODE_FAIL and self.nodes:
+            return f"node_fail nodes={','.join(sorted(self.nodes))}"
+        if self.cause is Cause.INCOMPLETE:
+            return f"incomplete committed={self.committed_after}"
+        return None
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What earlier attempts used of the budgets."""
+
+    training_failures: int = 0
+    infra_failures: int = 0  # node failures, preemptions, requeues
+    stalled: int = 0  # consecutive failed attempts without a new committed checkpoint
+    stalled_details: tuple[str, ...] = ()
+    signature: str | None = None  # the last failure's signature
+    repeats: int = 0  # consecutive failures with that signature
+
+    def as_dict(self) -> dict:
+        return {"training_failures": self.training_failures, "infra_failures": self.infra_failures,
+                "stalled": self.stalled, "stalled_details": list(self.stalled_details),
+                "signature": self.signature, "repeats": self.repeats}
+
+    @classmethod
+    def from_dict(cls, t: dict) -> Tally:
+        return cls(t["training_failures"], t["infra_failures"], t["stalled"], tuple(t["stalled_details"]),
+                   t.get("signature"), t.get("repeats", 0))
+
+
+class Action(enum.Enum):
+    RESTART = "restart"
+    REQUEUE = "requeue"
+    FINISH = "finish"
+    GIVE_UP = "give_up"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def _repeat(tally: Tally, outcome: Outcome) -> Tally:
+    sig = outcome.signature
+    repeats = tally.repeats + 1 if sig is not None and sig == tally.signature else (0 if sig is None else 1)
+    return replace(tally, signature=sig, repeats=repeats)
+
+
+def _crash_loop(tally: Tally, outcome: Outcome, budgets: Budgets) -> Decision | None:
+    """The same failure (same cause, rank, exit code or signal, step) `crash_loop_limit` times in a row is a crash
+    loop, whether or not a checkpoint was committed in between (an async save may land during any attempt)."""
+    if tally.repeats < budgets.crash_loop_limit:
+        return None
+    last = "none" if outcome.committed_after is None else str(outcome.committed_after)
+    return Decision(Action.GIVE_UP, f"crash loop: {tally.repeats} consecutive attempts failed the same way "
+                                    f"(resilience.crash_loop_limit={budgets.crash_loop_limit}): {outcome.detail}; "
+                                    f"last committed step {last}. This looks deterministic: fix the cause and run "
+                                    "again with --resume")
+
+
+def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bool) -> tuple[Decision, Tally]:
+    """Pure policy: classify first, then spend the matching budget."""
+    if final_committed:
+        return Decision(Action.FINISH, "the final step is committed"), tally
+    if outcome.cause is Cause.INTERRUPTED:
+        return Decision(Action.STOP, "stopped by the user; resume with `rkit run RECIPE --resume`"), tally
+    if outcome.cause is Cause.LAUNCH_ERROR:
+        return Decision(Action.GIVE_UP, f"the processes could not be started: {outcome.detail}"), tally
+    tally = _repeat(tally, outcome)
+    if outcome.cause.infrastructure:
+        tally = replace(tally, infra_failures=tally.infra_failures + 1, stalled=0, stalled_details=())
+        if (loop := _crash_loop(tally, outcome, budgets)) is not None:
+            return loop, tally
+        if tally.infra_failures > budgets.max_infra_restarts:
+            return Decision(Action.GIVE_UP, f"infrastructure budget exhausted ({budgets.max_infra_restarts} "
+                                            f"allowed: resilience.max_infra_restarts); last: {outcome.detail}"), tally
+        if outcome.requeue:
+            return Decision(Action.REQUEUE, f"{outcome.detail}; requeueing the job, it resumes from the last "
+                                            "checkpoint"), tally
+        return Decision(Action.RESTART, f"{outcome.detail}; resuming from the last checkpoint"), tally
+    stalled = 0 if outcome.progressed else tally.stalled + 1
+    details = () if outcome.progressed else tally.stalled_details + (outcome.detail,)
+    tally = replace(tally, training_failures=tally.training_failures + 1, stalled=stalled, stalled_details=details)
+    if (loop := _crash_loop(tally, outcome, budgets)) is not None:
+        return loop, tally
+    if stalled >= budgets.crash_loop_limit:
+        last = "none" if outcome.committed_after is None else str(outcome.committed_after)
+        same = len(set(details)) == 1
+        how = (f"each failed the same way: {details[0]}. This looks deterministic: fix the cause and "
+               "run again with --resume" if same else "failures: " + "; ".join(details))
+        return Decision(Action.GIVE_UP, f"crash loop: {stalled} consecutive attempts failed without a new "
+                                        f"committed checkpoint (last committed step {last}); {how}"), tally
+    if tally.training_failures > budgets.max_restarts:
+        return Decision(Action.GIVE_UP, f"restart budget exhausted: {tally.training_failures} training failures, "
+                                        f"{budgets.max_restarts} restarts allowed (resilience.max_restarts); "
+                                        f"last: {outcome.detail}"), tally
+    return Decision(Action.RESTART, f"{outcome.detail}; restarting from the last committed checkpoint"), tally
+
+
+def tally_from_events(events: list[dict]) -> Tally:
+    """Budgets carry over when a run is resumed: replay the recorded decisions."""
+    tally = Tally()
+    for e in events:
+        if e.get("event") == EV.ATTEMPT_ENDED and "tally" in e:
+            tally = Tally.from_dict(e["tally"])
+    return tally
+
+
+@dataclass
+class Progress:
+    """What the display needs; updated by the supervisor as the run moves."""
+
+    total_steps: int
+    attempt: int = 0
+    step: int | None = None
+    committed: int | None = None
+    tokens_per_sec: float | None = None
+    message: str = ""
