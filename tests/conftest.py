@@ -1,11 +1,14 @@
-"""Shared fixtures: the CLI as a subprocess, and the gate for tests that need the real training stack."""
+"""Shared fixtures: the CLI as a subprocess, the gate for tests that need the real training stack, and small
+helpers (a free port, waiting for a condition)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,29 @@ def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
 @pytest.fixture
 def cli():
     return rkit
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, every: float = 0.5, *, alive: subprocess.Popen | None = None,
+               log=None):
+    """Call `predicate` every `every` s until it returns something true, and return that; AssertionError after
+    `timeout` s, or as soon as the process `alive` (if given) has ended. `log`: a callable whose text goes into
+    the error."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        if alive is not None and alive.poll() is not None:
+            raise AssertionError(f"{what}: the process ended (exit {alive.returncode})\n{log() if log else ''}")
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f"\n{log()}" if log else ""))
 
 
 # The image tests use the plain Debian mirror (the one reachable here), not the dated snapshot default.

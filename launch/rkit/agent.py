@@ -60,11 +60,10 @@ def init_distributed(ctx: AgentContext) -> None:
 def write_env_manifest(ctx: AgentContext) -> Path:
     from . import manifest
 
-    env_dir = ctx.run.attempt_dir(ctx.attempt) / "env"
-    env_dir.mkdir(parents=True, exist_ok=True)
+    path = ctx.run.env_capture(ctx.attempt, ctx.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
     captured = manifest.capture(with_jax=True)
     captured.update({"rank": ctx.rank, "attempt": ctx.attempt, "pid": os.getpid()})
-    path = env_dir / f"rank-{ctx.rank}.json"
     write_json_atomic(path, captured)
     return path
 
@@ -91,7 +90,7 @@ def _act(inj: Injection, step: int) -> None:
 def arm_stack_dumps(ctx: AgentContext) -> Path:
     """SIGQUIT -> every thread's Python stack into attempts/<n>/stacks/rank-<r>.txt (the hang path asks for it).
     faulthandler writes from the signal handler itself, so it works while the main thread is stuck in C."""
-    path = ctx.run.attempt_dir(ctx.attempt) / "stacks" / f"rank-{ctx.rank}.txt"
+    path = ctx.run.stacks_file(ctx.attempt, ctx.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     global _STACKS_FILE  # faulthandler keeps only the descriptor: the file object must stay alive
     _STACKS_FILE = open(path, "a")  # noqa: SIM115
@@ -174,19 +173,11 @@ class MetricsPump:
         return self
 
 
-PREEMPT_FILE = "preempt"
-
-
-def preempt_request_path(run: RunDir, attempt: int) -> Path:
-    """The supervisor creates this file to ask every rank to save and stop (the preemption path)."""
-    return run.attempt_dir(attempt) / PREEMPT_FILE
-
-
 def watch_preempt_request(ctx: AgentContext, poll_seconds: float = 0.25) -> threading.Thread:
     """SIGTERM this very process when the supervisor asks: JAX/Orbax then save at the preemption sync point.
     A file, not a signal through the launcher: a container runtime between srun and the trainer may not pass
     a signal on (or may die of it and leave the trainer running)."""
-    path = preempt_request_path(ctx.run, ctx.attempt)
+    path = ctx.run.preempt_request(ctx.attempt)
 
     def watch() -> None:
         while not path.exists():

@@ -71,7 +71,8 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
         wait: bool) -> None:
     """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
-    from . import report, runner
+    from . import runner
+    from . import status as run_status
     from .display import live_progress
     from .inject import parse_injections
     from .recipe import load_recipe
@@ -86,8 +87,8 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
                    f"follow it with: rkit status {run_dir.path}")
         if not wait:
             return
-        state = report.follow(run_dir, echo=click.echo)
-    click.echo(report.render_status(report.status(run_dir)))
+        state = run_status.follow(run_dir, echo=click.echo)
+    click.echo(run_status.render_status(run_status.status(run_dir)))
     sys.exit(EXIT_CODES.get(state.value, 1))
 
 
@@ -126,10 +127,10 @@ def cancel(run_dir: Path) -> None:
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
 def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
     """Print one process's log of one attempt."""
-    from . import report
+    from . import status as run_status
     from .rundir import RunDir
 
-    report.print_log(RunDir(run_dir).require(), rank=rank, attempt=attempt, follow=follow, echo=click.echo)
+    run_status.print_log(RunDir(run_dir).require(), rank=rank, attempt=attempt, follow=follow, echo=click.echo)
 
 
 @main.command()
@@ -139,14 +140,15 @@ def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool) -> None:
     """Relaunch RUN with its resolved config and the same image digest."""
-    from . import report, runner
+    from . import runner
+    from . import status as run_status
     from .display import live_progress
     from .rundir import RunDir
 
     total = RunDir(run_dir).load_resolved()["trainer"]["steps"]
     with live_progress(enabled=not quiet, total=total) as on_progress:
         new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=on_progress)
-    click.echo(report.render_status(report.status(new_dir)))
+    click.echo(run_status.render_status(run_status.status(new_dir)))
     sys.exit(EXIT_CODES.get(state.value, 1))
 
 
@@ -213,16 +215,16 @@ def image_verify(path: Path, expect: str) -> None:
 @click.option("--watch", is_flag=True, help="A live view, redrawn every 2 s until the run ends (Ctrl-C to stop).")
 def status(run_dir: Path, as_json: bool, watch: bool) -> None:
     """Where RUN is: state and why, step, checkpoints, attempts and their causes, speed, ETA, goodput."""
-    from . import report
+    from . import status as run_status
     from .rundir import RunDir
 
     if watch and as_json:
         raise RkitError("--watch and --json do not go together: --watch draws for a person, --json prints once.")
     if watch:
-        report.watch(RunDir(run_dir).require())
+        run_status.watch(RunDir(run_dir).require())
         return
-    summary = report.status(RunDir(run_dir))
-    click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else report.render_status(summary))
+    summary = run_status.status(RunDir(run_dir))
+    click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else run_status.render_status(summary))
 
 
 @main.command("report")
@@ -231,7 +233,7 @@ def status(run_dir: Path, as_json: bool, watch: bool) -> None:
               "(default: RUN/report).")
 def report_command(run_dir: Path, out: Path | None) -> None:
     """Plots (loss, tokens/s, step time, goodput) and a one-page summary.md / summary.html of RUN."""
-    from .plots import write_report
+    from .report import write_report
     from .rundir import RunDir
 
     for path in write_report(RunDir(run_dir), out):

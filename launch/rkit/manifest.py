@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .recipe import is_secret_name
+from .stamp import is_secret_name
 
 ENV_PREFIXES = ("XLA_", "JAX_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCR_", "CUDA_", "SLURM_")
 REDACTED = "<redacted>"
@@ -202,7 +202,7 @@ def _latest_env_manifest(run_path: Path) -> dict[str, Any] | None:
 
     run = RunDir(run_path)
     for attempt in reversed(run.attempt_numbers()):
-        path = run.attempt_dir(attempt) / "env" / "rank-0.json"
+        path = run.env_capture(attempt, 0)
         if path.is_file():
             return json.loads(path.read_text(encoding="utf-8"))
     return None
@@ -213,7 +213,7 @@ def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
     import json
 
     from .errors import RkitError
-    from .recipe import hashed_config
+    from .stamp import hashed_config
 
     stamp: dict[str, Any] = {}
     config: dict[str, Any] = {}

@@ -7,9 +7,15 @@ The supervisor (supervisor.py) applies it; `rkit status` reads its states.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from .rundir import EV
+
+if TYPE_CHECKING:
+    from .backends.base import RankExit
+    from .watchdog import Hang
 
 
 class RunState(enum.Enum):
@@ -208,3 +214,97 @@ class Progress:
     committed: int | None = None
     tokens_per_sec: float | None = None
     message: str = ""
+
+
+# ---------------------------------------------------------------- how an attempt ended
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One poll of a running attempt, as the supervisor saw it: the whole input of `classify`."""
+
+    processes: int
+    exits: tuple[RankExit, ...] = ()  # the ranks that exited so far, in the order noticed
+    last_steps: Mapping[int, int | None] = field(default_factory=dict)  # each rank's newest step
+    step: int | None = None  # the attempt's furthest step
+    failed_nodes: tuple[str, ...] = ()  # nodes the launcher reported dead with the attempt
+    down_nodes: tuple[str, ...] = ()  # the attempt's nodes the scheduler reports dead (asked on a stop signal)
+    interrupted: bool = False  # Ctrl-C, or SIGTERM to the supervisor
+    preempt: str | None = None  # the scheduler's time-limit or preemption signal, by name
+    inject_sigterm: str | None = None  # an injected preemption whose step was reached (its spec)
+    hang: Hang | None = None
+    stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
+    final_step: int = 0
+    final_committed: bool = False  # read once every rank has exited
+
+
+class Stop(enum.Enum):
+    """How the supervisor ends the attempt's processes."""
+
+    NOW = "now"  # SIGKILL at once: a peer is gone and the others would wait in a collective
+    GRACE = "grace"  # SIGTERM, resilience.signal_grace_seconds, SIGKILL: the user's stop
+    SAVE = "save"  # ask every rank to save and stop; SIGKILL what is left at the end of the grace
+    HANG = "hang"  # stack dumps, a short grace, SIGKILL
+    NONE = "none"  # every rank has exited
+
+
+@dataclass(frozen=True)
+class Ending:
+    cause: Cause
+    detail: str
+    stop: Stop
+    rank: int | None = None
+    code: int | None = None
+    step: int | None = None
+    nodes: tuple[str, ...] = ()
+    requeue: bool = False  # the allocation cannot go on (a node failure Slurm ended the job for, a preemption)
+    exclude: tuple[str, ...] = ()  # nodes to keep out of every later attempt
+
+
+def _fmt(step: int | None) -> str:
+    return "?" if step is None else str(step)
+
+
+def classify(obs: Observation) -> Ending | None:
+    """How the attempt ends, or None while it runs on. First match wins: the user and the scheduler come first,
+    then a hang (unless a rank already failed: its peers then wait on it), a failed rank, the end of training."""
+    failed = [e for e in obs.exits if e.returncode != 0]
+    if obs.interrupted and obs.down_nodes:
+        # Slurm ends a job (without --no-kill) when one of its nodes dies, and requeues it: a node failure, not
+        # the user's interrupt.
+        down = tuple(obs.down_nodes)
+        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(down)}: Slurm ended the job (at step "
+                                       f"{_fmt(obs.step)})", Stop.NOW, step=obs.step, nodes=down, requeue=True,
+                      exclude=down)
+    if obs.interrupted:
+        return Ending(Cause.INTERRUPTED, "interrupted by the user", Stop.GRACE)
+    if obs.preempt:
+        return Ending(Cause.PREEMPTED, f"{obs.preempt} at step {_fmt(obs.step)} (time limit or preemption)",
+                      Stop.SAVE, step=obs.step, requeue=True)
+    if obs.inject_sigterm:
+        return Ending(Cause.PREEMPTED, f"SIGTERM at step {_fmt(obs.step)} (injected {obs.inject_sigterm})",
+                      Stop.SAVE, step=obs.step)
+    if obs.hang is not None and not failed:
+        hang = obs.hang
+        rank = sorted(hang.ranks, key=lambda r: (r not in obs.stopped, hang.ranks.index(r)))[0]
+        last = hang.last_steps.get(rank)
+        return Ending(Cause.HANG, f"hang: rank {rank} made no step progress for {hang.seconds_silent:.0f} s "
+                                  f"(timeout {hang.timeout:.0f} s, last step {_fmt(last)})", Stop.HANG,
+                      rank=rank, step=last)
+    if failed:
+        first = failed[0]
+        last = obs.last_steps.get(first.rank)
+        if obs.failed_nodes:
+            lost = tuple(obs.failed_nodes)
+            return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} (rank {first.rank} lost at step "
+                                           f"{_fmt(last)})", Stop.NOW, rank=first.rank, code=first.returncode,
+                          step=last, nodes=lost, exclude=lost)
+        cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
+        return Ending(cause, f"rank {first.rank} {first.describe()} at step {_fmt(last)}", Stop.NOW,
+                      rank=first.rank, code=first.returncode, step=last)
+    if len(obs.exits) >= obs.processes:
+        if obs.final_committed:
+            return Ending(Cause.COMPLETED, "", Stop.NONE, step=obs.step)
+        return Ending(Cause.INCOMPLETE, f"all ranks exited 0 but step {obs.final_step} is not committed",
+                      Stop.NONE, step=obs.step)
+    return None

@@ -5,66 +5,23 @@ This is the one loader for recipes; the CLI and the tests both go through `load_
 
 from __future__ import annotations
 
-import copy
 import difflib
-import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
+from .backends.slurm import OWNED_OPTIONS as SLURM_OWNED_OPTIONS
+from .defaults import apply_defaults, schema  # noqa: F401
 from .errors import Problem, RecipeError, RkitError
+from .stamp import IDENTITY_KEYS, canonical_json, config_hash, hashed_config, is_secret_name  # noqa: F401
+from .trainers.maxtext import OWNED_KEYS as OWNED_MAXTEXT_KEYS
 
 MAX_RECIPE_BYTES = 1 << 20
-
-# Keys that identify a run rather than describe its training: left out of the config hash.
-IDENTITY_KEYS = ("name", "runs_dir")
-
-# MaxText settings that rkit owns; a recipe sets them through its own sections.
-OWNED_MAXTEXT_KEYS = {
-    "steps": "trainer.steps",
-    "base_output_directory": "runs_dir (rkit puts MaxText's output in the run directory)",
-    "run_name": "name (rkit sets MaxText's run_name so resume is automatic)",
-    "metrics_file": "nothing (rkit writes metrics/<rank>.jsonl)",
-    "enable_checkpointing": "checkpoint.period (checkpointing is always on: resume needs it)",
-    "checkpoint_period": "checkpoint.period",
-    "max_num_checkpoints_to_keep": "checkpoint.keep",
-    "async_checkpointing": "checkpoint.async",
-    "jax_cache_dir": "the RKIT_JAX_CACHE_DIR environment variable",
-    "skip_jax_distributed_system": "resources.processes_per_node (rkit sets up jax.distributed)",
-}
-
-# sbatch options rkit sets itself: refused in slurm.extra_sbatch, with where they come from.
-SLURM_OWNED_OPTIONS = {
-    "--requeue": "always on", "--no-requeue": "rkit requeues", "--signal": "slurm.signal_lead_seconds",
-    "--parsable": "always on", "--output": "the run directory", "--error": "the run directory",
-    "--open-mode": "append", "--nodes": "resources.nodes + slurm.spare_nodes",
-    "--ntasks-per-node": "resources.processes_per_node", "--ntasks": "resources", "--job-name": "name",
-    "--partition": "slurm.partition", "--account": "slurm.account", "--qos": "slurm.qos", "--time": "slurm.time",
-    "--gpus-per-node": "slurm.gpus_per_node", "--exclusive": "slurm.exclusive", "--wrap": "the batch script",
-    "--container": "image and slurm.container_launch", "--chdir": "the run directory",
-}
-
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-
-
-def is_secret_name(name: str) -> bool:
-    upper = name.upper()
-    return any(word in upper for word in SECRET_WORDS)
-
-
-@lru_cache(maxsize=1)
-def schema() -> dict:
-    text = resources.files("rkit").joinpath("schema/recipe.schema.json").read_text(encoding="utf-8")
-    return json.loads(text)
-
 
 @dataclass(frozen=True)
 class Recipe:
@@ -90,20 +47,6 @@ class Recipe:
     def processes(self) -> int:
         res = self.resolved["resources"]
         return int(res["nodes"]) * int(res["processes_per_node"])
-
-
-def hashed_config(resolved: dict) -> dict:
-    """The part of a resolved recipe that the config hash covers: everything but the run's identity."""
-    return {k: v for k, v in resolved.items() if k not in IDENTITY_KEYS}
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def config_hash(resolved: dict) -> str:
-    digest = hashlib.sha256(canonical_json(hashed_config(resolved)).encode("utf-8")).hexdigest()
-    return f"sha256:{digest}"
 
 
 # ---------------------------------------------------------------- reading YAML
@@ -268,17 +211,6 @@ def apply_overrides(source: str, data: dict, overrides: list[str]) -> list[Probl
 
 
 # ---------------------------------------------------------------- defaults and validation
-
-
-def apply_defaults(data: Any, node_schema: dict) -> None:
-    """Fill in the schema's defaults for absent keys, recursively (defaults live only in the schema)."""
-    if not isinstance(data, dict) or node_schema.get("type") != "object":
-        return
-    for key, sub_schema in node_schema.get("properties", {}).items():
-        if key not in data and "default" in sub_schema:
-            data[key] = copy.deepcopy(sub_schema["default"])
-        if key in data:
-            apply_defaults(data[key], sub_schema)
 
 
 def _schema_at(path: tuple) -> dict:

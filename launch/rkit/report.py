@@ -1,322 +1,318 @@
-"""`rkit status`: what a run directory says about where the run is and why, read from its files alone;
-`rkit status --watch`: the same, live."""
+"""`rkit report`: PNG plots of a run against wall-clock time (loss, tokens/s, step time, goodput) and a one-page
+summary.md + summary.html, written into <run>/report/ (or --out) from the run directory alone."""
 
 from __future__ import annotations
 
-import json
+import datetime
+import html
 import os
-import statistics
-import time
-from collections.abc import Callable
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .policy import RunState
-from .rundir import RunDir
+from . import __version__
+from .errors import RkitError
+from .rundir import EV, RunDir
 from .telemetry import goodput, metrics
-from .telemetry.stragglers import straggler_events
-from .trainers import maxtext
+from .telemetry.stragglers import SKIP_STEPS, find_stragglers, straggler_events
 
-TERMINAL_EVENTS = {"run.finished": RunState.FINISHED, "run.gave_up": RunState.GAVE_UP,
-                   "run.interrupted": RunState.INTERRUPTED}
-SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED",
-                "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT")
-
-
-def slurm_info(events: list[dict]) -> dict[str, Any] | None:
-    """The run's Slurm job as its events and squeue see it (None for local runs)."""
-    submitted = [e for e in events if e.get("event") == "job.submitted"]
-    if not submitted:
-        return None
-    from .backends import slurm
-
-    job = submitted[-1]["job_id"]
-    live = slurm.job_state(job)
-    started = [e for e in events if e.get("event") == "job.started" and e.get("job_id") == job]
-    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == "nodes.excluded"), [])
-    return {"job_id": job, "state": live.get("state", "gone (not in the queue)"), "reason": live.get("reason"),
-            "nodes": live.get("nodes") or (started[-1].get("allocation") if started else None),
-            "excluded_nodes": excluded,
-            # SLURM_RESTART_COUNT counts every requeue of the job, Slurm's own (node failure) and rkit's.
-            "requeues": max((e.get("restart_count", 0) for e in started), default=0),
-            "restart_count": started[-1].get("restart_count") if started else None}
+FAULT_EVENTS = (EV.INJECT_FIRED, EV.ATTEMPT_FAILED, EV.ATTEMPT_HANG, EV.PREEMPT_REQUESTED, EV.PREEMPT_SAVED,
+                EV.PREEMPT_UNSAVED, EV.PREEMPT_ESCALATED, EV.NODES_EXCLUDED, EV.JOB_REQUEUED, EV.DISK_LOW,
+                EV.NODE_STRAGGLER, EV.ATTEMPT_NO_NODES)
+PLOTS = {"loss": "loss", "tokens_per_sec": "tokens/s (all processes)", "step_time": "step time (s)"}
 
 
-def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = None) -> tuple[RunState, str]:
-    if run.is_locked():
-        return RunState.RUNNING, "a supervisor is running this run"
-    for e in reversed(events):
-        kind = e.get("event")
-        if kind in TERMINAL_EVENTS:
-            return TERMINAL_EVENTS[kind], e.get("reason", "")
-        if kind in ("run.submitted", "run.resumed"):
-            break
-    if not events:
-        return RunState.PENDING, "nothing has happened yet"
-    if slurm and slurm["state"] in SLURM_ACTIVE:
-        return RunState.PENDING if slurm["state"] != "RUNNING" else RunState.RUNNING, \
-            f"Slurm job {slurm['job_id']} is {slurm['state']}" + (f" ({slurm['reason']})" if slurm["reason"]
-                                                                   and slurm["reason"] != "None" else "")
-    return RunState.STOPPED, ("the supervisor ended without a final word (killed or machine lost); "
-                              "resume with `rkit run RECIPE --resume`")
+@dataclass
+class Series:
+    """What the plots draw, in unix seconds: one point per metrics line of the reference rank (rank 0, or the
+    lowest rank with lines in that attempt), attempt starts, and failures with their causes."""
+
+    points: list[dict[str, Any]] = field(default_factory=list)   # t, step, attempt, loss, tokens_per_sec, ...
+    boundaries: list[tuple[float, int]] = field(default_factory=list)  # (t, attempt) of each attempt.started
+    failures: list[tuple[float, str]] = field(default_factory=list)    # (t, cause) of each failed attempt
 
 
-def attempts(events: list[dict]) -> list[dict[str, Any]]:
-    table: dict[int, dict[str, Any]] = {}
-    for e in events:
-        n = e.get("attempt")
-        if n is None:
+@dataclass
+class RunFiles:
+    """What a report reads from a run directory, each file once: events.jsonl, resolved.json, the manifest, every
+    rank's metrics file, and the placed lines (goodput.run_lines) that the plots and the goodput share."""
+
+    events: list[dict]
+    resolved: dict
+    stamp: dict
+    rank_lines: dict[int, list[dict[str, Any]]]  # metrics.lines of every rank, by rank
+    placed: list[dict[str, Any]]
+
+    @classmethod
+    def read(cls, run: RunDir) -> RunFiles:
+        run.require()
+        events = run.events()
+        rank_lines = {rank: metrics.lines(run, rank) for rank in metrics.ranks(run)}
+        return cls(events=events, resolved=run.load_resolved(), stamp=run.load_manifest(), rank_lines=rank_lines,
+                   placed=goodput.run_lines(run, events, every_rank=rank_lines))
+
+
+def plot_series(run: RunDir, events: list[dict] | None = None, *, resolved: dict | None = None,
+                lines: list[dict[str, Any]] | None = None) -> Series:
+    """`events`, `resolved`, `lines` (goodput.run_lines): what the caller has read already."""
+    events = run.events() if events is None else events
+    resolved = run.load_resolved() if resolved is None else resolved
+    res = resolved.get("resources", {})
+    processes = int(res.get("nodes", 1)) * int(res.get("processes_per_node", 1))
+    series = Series()
+    lines = goodput.run_lines(run, events) if lines is None else lines
+    reference: dict[int, Any] = {}
+    for line in lines:
+        # rank 0 when it has lines in the attempt, else the first rank seen
+        if line["rank"] == 0 or line["attempt"] not in reference:
+            reference[line["attempt"]] = line["rank"]
+    seen: dict[int, int] = defaultdict(int)
+    for line in lines:
+        if line["rank"] != reference[line["attempt"]] or line.get("t") is None:
             continue
-        row = table.setdefault(n, {"attempt": n})
-        kind = e.get("event")
-        if kind == "attempt.started":
-            row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"))
-        elif kind == "attempt.first_step":
-            row["first_step_seconds"] = e.get("seconds_since_start")
-        elif kind == "attempt.ended":
-            row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
-                       committed_step=e.get("committed_step"))
-    return [table[n] for n in sorted(table)]
+        tps = line.get("tokens_per_sec_per_device")
+        # MaxText's step_time carries compilation into the first steps after a start (tens of seconds against
+        # tenths): left out of the time and speed curves, as straggler detection leaves them out.
+        warm = seen[line["attempt"]] >= SKIP_STEPS
+        seen[line["attempt"]] += 1
+        series.points.append({"t": line["t"], "step": line["step"], "attempt": line["attempt"],
+                              "loss": line.get("loss"), "recomputed": line.get("recomputed", False),
+                              "tokens_per_sec": tps * processes if warm and isinstance(tps, (int, float)) else None,
+                              "step_time": line.get("step_time") if warm else None})
+    ended = {e.get("attempt"): e for e in events if e.get("event") == EV.ATTEMPT_ENDED}
+    # Where the failure happened: the failure or hang event, else the attempt's end.
+    failed: dict[Any, dict] = {}
+    for e in events:
+        if e.get("event") in (EV.ATTEMPT_FAILED, EV.ATTEMPT_HANG):
+            failed.setdefault(e.get("attempt"), e)
+    for e in events:
+        if e.get("event") == EV.ATTEMPT_STARTED:
+            series.boundaries.append((e["t"], e.get("attempt")))
+    for n in sorted(set(ended) | set(failed), key=lambda x: (x is None, x or 0)):
+        end, fail = ended.get(n), failed.get(n)
+        cause = end.get("cause") if end else fail.get("cls", "hang")
+        if cause in ("completed", None):
+            continue
+        series.failures.append(((fail or end)["t"], str(cause)))
+    return series
 
 
-def status(run: RunDir) -> dict[str, Any]:
-    run.require()
-    resolved = run.load_resolved()
-    stamp = run.load_manifest()
-    events = run.events()
-    slurm = slurm_info(events)
-    state, reason = run_state(run, events, slurm)
-    total = int(resolved["trainer"]["steps"])
-    processes = resolved["resources"]["nodes"] * resolved["resources"]["processes_per_node"]
-    rank0 = metrics.lines(run, 0)  # read once: the merged view and the goodput both need it
-    steps = list(metrics.merge(rank0).values())
-    recent = [s for s in steps[-20:] if s["step_time"]]
-    step_time = statistics.median(s["step_time"] for s in recent) if recent else None
-    tps = [s["tokens_per_sec_per_device"] for s in steps[-20:] if s["tokens_per_sec_per_device"]]
-    started = next((e["t"] for e in events if e.get("event") == "run.submitted"), None)
-    ended = events[-1]["t"] if events and state is not RunState.RUNNING else time.time()
-    current = steps[-1]["step"] if steps else None
-    committed = maxtext.latest_committed_step(run)
-    done_steps = (current + 1) if current is not None else 0
-    eta = (total - done_steps) * step_time if state is RunState.RUNNING and step_time else None
-    final_loss = steps[-1]["loss"] if steps else None
-    # A live run's open session ends now; a finished or stopped one ends at its last record.
-    now = time.time() if state in (RunState.RUNNING, RunState.PENDING) else None
-    lost = goodput.compute(events, goodput.run_lines(run, events, rank0),
-                           checkpoint_period=(resolved.get("checkpoint") or {}).get("period"), now=now)
-    table = attempts(events)
+def _figure(title: str, ylabel: str) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)  # Agg explicitly: no display, no pyplot global state
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel("wall-clock time (UTC)")
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _when(t: float) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
+
+
+def _save(fig: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plot(series: Series, key: str, path: Path, run_name: str) -> None:
+    """One metric against wall-clock time: dashed lines where attempts start, red marks where they failed."""
+    note = "" if key == "loss" else f" (first {SKIP_STEPS} steps of each attempt, compilation, left out)"
+    fig, ax = _figure(f"{run_name}: {PLOTS[key]}{note}", PLOTS[key])
+    for attempt in sorted({p["attempt"] for p in series.points}):
+        pts = [p for p in series.points if p["attempt"] == attempt and p[key] is not None]
+        if pts:
+            ax.plot([_when(p["t"]) for p in pts], [p[key] for p in pts], marker=".", markersize=3, linewidth=1,
+                    label=f"attempt {attempt}")
+    for t, attempt in series.boundaries:
+        ax.axvline(_when(t), color="grey", linestyle="--", linewidth=1)
+        ax.annotate(f"attempt {attempt}", (_when(t), 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                    va="top", ha="right", fontsize=8, color="grey")
+    for t, cause in series.failures:
+        ax.axvline(_when(t), color="red", linewidth=1.5)
+        ax.annotate(cause, (_when(t), 0.02), xycoords=("data", "axes fraction"), rotation=90, va="bottom",
+                    ha="left", fontsize=8, color="red")
+    if not series.points:
+        ax.text(0.5, 0.5, "no steps recorded", transform=ax.transAxes, ha="center", va="center")
+    elif ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize=8)
+    fig.autofmt_xdate()
+    _save(fig, path)
+
+
+def plot_goodput(g: goodput.Goodput, path: Path, run_name: str) -> None:
+    fig, ax = _figure(f"{run_name}: where the wall time went ({_pct(g.goodput)} goodput)", "")
+    ax.set_xlabel("seconds")
+    items = [(c, s) for c, s in g.seconds.items() if s > 0] or [("productive", 0.0)]
+    ax.barh([goodput.CATEGORIES[c] for c, _ in items], [s for _, s in items],
+            color=["tab:green" if c == "productive" else "tab:red" for c, _ in items])
+    ax.invert_yaxis()
+    _save(fig, path)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _fmt(value: Any, spec: str = "{}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def summary(run: RunDir, files: RunFiles | None = None) -> dict[str, Any]:
+    """Everything the one-page summary says, as plain data (rendered to Markdown and HTML). `files`: what the
+    caller has read already (RunFiles.read)."""
+    from . import status
+
+    files = RunFiles.read(run) if files is None else files
+    events, stamp, resolved = files.events, files.stamp, files.resolved
+    s = status.status(run, events=events, resolved=resolved, stamp=stamp, rank_lines=files.rank_lines,
+                      placed=files.placed)
+    start = next((e["t"] for e in events if isinstance(e.get("t"), (int, float))), None)
+    image = stamp.get("image") or {}
+    factor = float((resolved.get("observability") or {}).get("straggler_factor", 1.5))
+    every_rank = [line for rank in sorted(files.rank_lines) for line in files.rank_lines[rank]]
+    found = find_stragglers(goodput.place_lines(events, every_rank), factor)
+    faults = [{"at": _since(e["t"], start), "event": e["event"], "detail": _fields(e)}
+              for e in events if e.get("event") in FAULT_EVENTS]
     return {
-        "name": run.name,
-        "path": str(run.path),
-        "state": state.value,
-        "reason": reason,
-        "config_hash": stamp.get("config_hash"),
-        "step": current,
-        "total_steps": total,
-        "last_committed_step": committed,
-        "final_step_committed": committed is not None and committed >= maxtext.final_step(resolved),
-        "loss": final_loss,
-        "tokens_per_sec": statistics.median(tps) * processes if tps else None,
-        "step_time_seconds": step_time,
-        "elapsed_seconds": round(ended - started, 1) if started else None,
-        "eta_seconds": round(eta, 1) if eta is not None else None,
-        "recomputed_steps": sum(1 for s in steps if s["recomputed"]),
-        "attempts": table,
-        "injections": [e.get("spec") for e in events if e.get("event") == "inject.fired"],
-        "slurm": slurm,
-        "goodput": lost.as_dict(top=3),
-        "stragglers": straggler_events(events),
-        "last_event": events[-1] if events else None,
-        "nodes": node_states(run, table[-1] if table else None, time.time()),
+        "status": s,
+        "started": _when(start).isoformat(timespec="seconds") if start else None,
+        "image": image.get("sha256") or ("none (the host's Python)" if image.get("kind") == "none"
+                                         else f"unknown ({image.get('reference', '?')})"),
+        "image_path": image.get("path"),
+        "rkit_version": stamp.get("rkit_version"),
+        "faults": faults,
+        "stragglers_seen": straggler_events(events),
+        "stragglers_found": [st.as_dict() for st in found],
+        "straggler_factor": factor,
+        "goodput": s["goodput"],
     }
 
 
-def _num(value: float | None, fmt: str = "{:.1f}") -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def render_status(s: dict[str, Any]) -> str:
-    state = s["state"]
-    lines = [f"run        {s['name']}  ({s['path']})",
-             f"state      {state}" + (f": {s['reason']}" if s["reason"] and state != "running" else "")]
-    step = "-" if s["step"] is None else s["step"] + 1
-    lines.append(f"progress   step {step}/{s['total_steps']}, last committed step "
-                 f"{_num(s['last_committed_step'], '{}')}, loss {_num(s['loss'], '{:.4f}')}")
-    lines.append(f"speed      {_num(s['tokens_per_sec'], '{:.0f}')} tokens/s, step time "
-                 f"{_num(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)")
-    lines.append(f"time       elapsed {_num(s['elapsed_seconds'])} s" +
-                 (f", ETA {_num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
-    lines.append(f"config     {s['config_hash']}")
-    lines.append(f"goodput    {render_goodput(s['goodput'])}")
-    for st in s["stragglers"]:
-        lines.append(f"straggler  {st['node']} in attempt {st['attempt']}: median step time "
-                     f"{_num(st['ratio'], '{:.2f}')}x the other nodes'")
-    if s.get("slurm"):
-        j = s["slurm"]
-        lines.append(f"slurm      job {j['job_id']} {j['state']}, nodes {j['nodes'] or '-'}, excluded "
-                     f"{', '.join(j['excluded_nodes']) or 'none'}, requeues {j['requeues']}")
-    if s["injections"]:
-        lines.append(f"injected   {', '.join(s['injections'])}")
-    lines.append(f"attempts   {len(s['attempts'])}" +
-                 (f" ({s['recomputed_steps']} step(s) recomputed after restarts)" if s["recomputed_steps"] else ""))
-    for a in s["attempts"]:
-        resume = a.get("resume_from_step")
-        start = "from scratch" if resume is None else f"resumed from step {resume}"
-        end = a.get("cause", "running")
-        detail = f" ({a['detail']})" if a.get("detail") else ""
-        lines.append(f"  #{a['attempt']}  {start}: {end}{detail}")
-    return "\n".join(lines)
-
-
-def render_goodput(g: dict[str, Any]) -> str:
-    """Goodput in one line, e.g. `87.2% of 120.3 s; lost: start-up and compilation 9.1 s, ...` (top losses)."""
-    if g["goodput"] is None:
-        return "-"
-    losses = ", ".join(f"{x['label']} {x['seconds']:.1f} s" for x in g["top_losses"])
-    return f"{g['goodput']:.1%} of {g['wall_seconds']:.1f} s" + (f"; lost: {losses}" if losses else "")
-
-
-def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
-    """`rkit run --wait`: print progress lines until the run reaches a final state and its job left the queue."""
-    last = None
-    while True:
-        s = status(run)
-        line = f"{s['state']}: step {'-' if s['step'] is None else s['step'] + 1}/{s['total_steps']}, " \
-               f"committed {s['last_committed_step']}, attempts {len(s['attempts'])}"
-        if line != last:
-            echo(line)
-            last = line
-        slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
-        if s["state"] in ("finished", "gave up", "interrupted", "stopped") and slurm_done:
-            return RunState(s["state"])
-        time.sleep(poll_seconds)
-
-
-FINAL_STATES = ("finished", "gave up", "interrupted", "stopped")
-
-
-def _last_jsonl_line(path: Path, tail_bytes: int = 65536) -> dict | None:
-    """The newest whole line of a JSONL file, read from its end: metrics and telemetry files grow for days."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - tail_bytes))
-            chunk = fh.read()
-    except OSError:
-        return None
-    for raw in reversed(chunk.split(b"\n")):
-        try:
-            value = json.loads(raw)
-        except ValueError:
+def _fields(e: dict[str, Any]) -> str:
+    """An event's own fields as k=v (nested tallies and argv lists are left to events.jsonl)."""
+    out = []
+    for key, value in sorted(e.items()):
+        if key in ("t", "event") or value in (None, [], {}) or isinstance(value, dict):
             continue
-        if isinstance(value, dict):
-            return value
-    return None
+        if isinstance(value, list):
+            if not all(isinstance(v, (str, int, float)) for v in value):
+                continue
+            value = "[" + ", ".join(map(str, value)) + "]"
+        out.append(f"{key}={value}")
+    return ", ".join(out)
 
 
-def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float) -> list[dict[str, Any]]:
-    """Per node of the current attempt: the ranks that reported a step in it, their newest step, and the age of
-    the node's newest health sample (telemetry/<node>.jsonl). Reads only the ends of the files."""
-    if attempt is None:
-        return []
-    nodes = [str(n) for n in attempt.get("nodes") or []]
-    rows = {n: {"node": n, "ranks": [], "last_step": None, "telemetry_age_seconds": None} for n in nodes}
-    for rank in metrics.ranks(run):
-        raw = _last_jsonl_line(run.metrics_file(rank))
-        line = metrics.normalize(raw) if raw else None
-        if line is None or (line.get("attempt") is not None and line["attempt"] != attempt["attempt"]):
-            continue  # nothing from this rank in this attempt yet
-        # MaxText's raw lines name no node: on a one-node attempt it can only be that node.
-        node = str(line.get("node") or (nodes[0] if len(nodes) == 1 else "?"))
-        row = rows.setdefault(node, {"node": node, "ranks": [], "last_step": None, "telemetry_age_seconds": None})
-        row["ranks"].append(rank)
-        row["last_step"] = line["step"] if row["last_step"] is None else max(row["last_step"], line["step"])
-    for row in rows.values():
-        sample = _last_jsonl_line(run.path / "telemetry" / f"{row['node']}.jsonl")
-        if sample and isinstance(sample.get("t"), (int, float)):
-            row["telemetry_age_seconds"] = round(now - sample["t"], 1)
-    return list(rows.values())
+def _since(t: float, start: float | None) -> str:
+    return "-" if start is None else f"+{t - start:.1f} s"
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+def _tables(d: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    s, g = d["status"], d["goodput"]
+    step = "-" if s["step"] is None else s["step"] + 1
+    overview = [["state", s["state"] + (f": {s['reason']}" if s["reason"] else "")],
+                ["config hash", str(s["config_hash"])], ["image", d["image"] + (f" ({d['image_path']})"
+                                                                                 if d["image_path"] else "")],
+                ["rkit", str(d["rkit_version"]) + f" (report by {__version__})"], ["started (UTC)", str(d["started"])],
+                ["steps", f"{step}/{s['total_steps']}, last committed {_fmt(s['last_committed_step'])}"],
+                ["final loss", _fmt(s["loss"], "{:.4f}")],
+                ["throughput", f"{_fmt(s['tokens_per_sec'], '{:,.0f}')} tokens/s, step time "
+                               f"{_fmt(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)"],
+                ["wall time", f"{g['wall_seconds']:.1f} s"], ["goodput", _pct(g["goodput"])]]
+    attempts = [[str(a["attempt"]), "from scratch" if a.get("resume_from_step") is None else
+                 f"step {a['resume_from_step']}", ", ".join(a.get("nodes") or []) or "-",
+                 _fmt(a.get("first_step_seconds"), "{:.1f} s"), str(a.get("cause", "running")),
+                 str(a.get("detail") or ""), str(a.get("decision") or "")] for a in s["attempts"]]
+    faults = [[f["at"], f["event"], f["detail"]] for f in d["faults"]]
+    wall = g["wall_seconds"]
+    breakdown = [[goodput.CATEGORIES[c], f"{sec:.1f}", _pct(sec / wall if wall else None)]
+                 for c, sec in sorted(g["seconds"].items(), key=lambda item: (item[0] != "productive", -item[1]))]
+    stragglers = [[str(x.get("attempt")), str(x.get("node")), _fmt(x.get("ratio"), "{:.2f}x"), "live (event)"]
+                  for x in d["stragglers_seen"]]
+    stragglers += [[str(x["attempt"]), x["node"], f"{x['ratio']:.2f}x", f"from metrics (median {x['median']:.3f} s "
+                    f"vs {x['others_median']:.3f} s)"] for x in d["stragglers_found"]]
+    return [("Run", ["", ""], overview),
+            ("Attempts", ["#", "resumed from", "nodes", "first step after", "cause", "detail", "decision"], attempts),
+            ("Faults", ["at", "event", "detail"], faults),
+            ("Goodput", ["category", "seconds", "share"], breakdown),
+            (f"Stragglers (factor {d['straggler_factor']})", ["attempt", "node", "ratio", "seen"], stragglers)]
 
 
-def render_watch(s: dict[str, Any], now: float) -> Any:
-    """One frame of `rkit status --watch` (a rich renderable): progress with ETA, speed, nodes, last event."""
-    from rich.console import Group
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
-    from rich.text import Text
-
-    done = 0 if s["step"] is None else s["step"] + 1
-    head = Text.assemble((s["name"], "bold"), f"  {s['state']}",
-                         f": {s['reason']}" if s["reason"] and s["state"] != "running" else "")
-    bar = Table.grid(padding=(0, 1))
-    bar.add_row(ProgressBar(total=max(s["total_steps"], 1), completed=done, width=40),
-                f"step {done}/{s['total_steps']}", f"ETA {_duration(s['eta_seconds'])}",
-                f"{_num(s['tokens_per_sec'], '{:,.0f}')} tokens/s",
-                f"committed {_num(s['last_committed_step'], '{}')}", f"attempt {len(s['attempts']) or '-'}")
-    nodes = Table(box=None, padding=(0, 2), show_edge=False)
-    for column in ("node", "ranks", "last step", "telemetry sample"):
-        nodes.add_column(column)
-    for row in s["nodes"]:
-        age = row["telemetry_age_seconds"]
-        nodes.add_row(row["node"], ",".join(map(str, row["ranks"])) or "-", _num(row["last_step"], "{}"),
-                      "-" if age is None else f"{age:.0f} s ago")
-    parts: list[Any] = [head, bar, nodes, Text(f"goodput  {render_goodput(s['goodput'])}")]
-    parts.extend(Text(f"straggler  {st['node']} (attempt {st['attempt']}): {_num(st['ratio'], '{:.2f}')}x",
-                      style="yellow") for st in s["stragglers"])
-    last = s.get("last_event")
-    if last:
-        fields = " ".join(f"{k}={v}" for k, v in sorted(last.items()) if k not in ("t", "event")
-                          and isinstance(v, (str, int, float)))
-        parts.append(Text(f"last event  {now - last['t']:.0f} s ago: {last['event']} {fields}"[:300]))
-    return Group(*parts)
+def _md_cell(text: str) -> str:
+    # Backslash escapes keep a '|' from splitting a cell and a '<' from starting an HTML tag.
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "\\<").replace("\n", " ")
 
 
-def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callable[[], float] = time.time,
-          sleep: Callable[[float], None] = time.sleep) -> RunState:
-    """`rkit status --watch`: redraw the run's state every `interval` seconds until it ends or Ctrl-C."""
-    from rich.console import Console
-    from rich.live import Live
-
-    s = status(run)
-    console = console or Console()
-    with Live(render_watch(s, clock()), console=console, auto_refresh=False) as live:
-        try:
-            while True:
-                live.update(render_watch(s, clock()), refresh=True)
-                slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
-                if s["state"] in FINAL_STATES and slurm_done:
-                    break
-                sleep(interval)
-                s = status(run)
-        except KeyboardInterrupt:
-            pass
-    if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's
-        console.line()
-    return RunState(s["state"])
+def render_markdown(d: dict[str, Any], images: list[str]) -> str:
+    out = [f"# rkit report: {_md_cell(d['status']['name'])}", ""]
+    for title, header, rows in _tables(d):
+        out += [f"## {title}", ""]
+        if not rows:
+            out += ["none", ""]
+            continue
+        out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+        out.append("")
+    out += ["## Plots", ""] + [f"![{Path(name).stem}]({name})" for name in images] + [""]
+    return "\n".join(out)
 
 
-def print_log(run: RunDir, *, rank: int, attempt: int | None, follow: bool, echo) -> None:
-    from .errors import RkitError
+def render_html(d: dict[str, Any], images: list[str]) -> str:
+    e = html.escape
+    out = ["<!doctype html>", "<html><head><meta charset='utf-8'>", f"<title>rkit report: {e(d['status']['name'])}"
+           "</title>", "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:"
+           "collapse;margin-bottom:1em}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}</style>",
+           "</head><body>", f"<h1>rkit report: {e(d['status']['name'])}</h1>"]
+    for title, header, rows in _tables(d):
+        out.append(f"<h2>{e(title)}</h2>")
+        if not rows:
+            out.append("<p>none</p>")
+            continue
+        out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
+        out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
+        out.append("</table>")
+    out.append("<h2>Plots</h2>")
+    out += [f"<p><img src='{e(name, quote=True)}' alt='{e(name, quote=True)}'></p>" for name in images]
+    out.append("</body></html>\n")
+    return "\n".join(out)
 
-    numbers = run.attempt_numbers()
-    if not numbers:
-        raise RkitError(f"{run.path}: no attempts yet.")
-    n = numbers[-1] if attempt is None else attempt
-    path = run.attempt_dir(n) / f"rank-{rank}.log"
-    if not path.exists():
-        raise RkitError(f"{path}: no such log (attempts: {', '.join(map(str, numbers))}; ranks start at 0).")
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        while True:
-            chunk = fh.read()
-            if chunk:
-                echo(chunk.rstrip("\n"))
-            if not follow:
-                return
-            time.sleep(0.5)
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_report(run: RunDir, out: Path | None = None) -> list[Path]:
+    """Write the plots and summaries (each file atomically: temp + rename); returns the paths written."""
+    run.require()
+    out = run.path / "report" if out is None else Path(out)
+    if out.exists() and not out.is_dir():
+        raise RkitError(f"{out}: exists and is not a directory; give --out a directory (it is created if missing).")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RkitError(f"{out}: cannot create the report directory: {exc.strerror}.") from None
+    files = RunFiles.read(run)
+    series = plot_series(run, files.events, resolved=files.resolved, lines=files.placed)
+    d = summary(run, files)
+    written = []
+    for key in PLOTS:
+        path = out / f"{key}.png"
+        plot(series, key, path, run.name)
+        written.append(path)
+    g = goodput.Goodput(wall_seconds=d["goodput"]["wall_seconds"], seconds=d["goodput"]["seconds"])
+    plot_goodput(g, out / "goodput.png", run.name)
+    written.append(out / "goodput.png")
+    images = [p.name for p in written]
+    for name, text in (("summary.md", render_markdown(d, images)), ("summary.html", render_html(d, images))):
+        _write_text(out / name, text)
+        written.append(out / name)
+    return written

@@ -114,6 +114,56 @@ class RunDir:
     def attempt_dir(self, attempt: int) -> Path:
         return self.attempts_dir / str(attempt)
 
+    # ------------------------------------------------------------ inside an attempt
+
+    def attempt_record(self, attempt: int) -> Path:
+        """attempts/<n>/attempt.json: when, where, how launched, pids, how it ended."""
+        return self.attempt_dir(attempt) / "attempt.json"
+
+    @staticmethod
+    def rank_log_name(rank: int | str) -> str:
+        """A rank's stdout+stderr inside its attempt's directory; `rank` may be srun's `%t` pattern."""
+        return f"rank-{rank}.log"
+
+    def rank_log(self, attempt: int, rank: int | str) -> Path:
+        return self.attempt_dir(attempt) / self.rank_log_name(rank)
+
+    launcher_log_name = "srun.log"  # the launcher's own output (srun's, with its task-failure lines)
+
+    def launcher_log(self, attempt: int) -> Path:
+        return self.attempt_dir(attempt) / self.launcher_log_name
+
+    def env_capture(self, attempt: int, rank: int) -> Path:
+        """One rank's environment manifest, written by its agent."""
+        return self.attempt_dir(attempt) / "env" / f"rank-{rank}.json"
+
+    def stacks_dir(self, attempt: int) -> Path:
+        return self.attempt_dir(attempt) / "stacks"
+
+    @staticmethod
+    def stacks_file_name(rank: int, tool: str = "") -> str:
+        """Every thread's stack of a hung rank: faulthandler's (tool "") or another tool's (e.g. "py-spy")."""
+        return f"rank-{rank}.{tool}.txt" if tool else f"rank-{rank}.txt"
+
+    def stacks_file(self, attempt: int, rank: int, tool: str = "") -> Path:
+        return self.stacks_dir(attempt) / self.stacks_file_name(rank, tool)
+
+    def preempt_request(self, attempt: int) -> Path:
+        """The supervisor creates this file to ask every rank of the attempt to save and stop."""
+        return self.attempt_dir(attempt) / "preempt"
+
+    # ------------------------------------------------------------ telemetry
+
+    telemetry_dir = property(lambda self: self.path / "telemetry")
+
+    def telemetry_file(self, node: str) -> Path:
+        """A node's health samples."""
+        return self.telemetry_dir / f"{node}.jsonl"
+
+    def exporter_file(self, node: str) -> Path:
+        """Where a node's Prometheus exporter listens."""
+        return self.telemetry_dir / f"{node}.exporter.json"
+
     def attempt_numbers(self) -> list[int]:
         return sorted(int(p.name) for p in self.attempts_dir.glob("*") if p.name.isascii() and p.name.isdigit())
 

@@ -19,8 +19,9 @@ from .image import ImageIdentity, apptainer, identify, locate, sha256_file
 from .image import resolve as resolve_image
 from .inject import Injection
 from .policy import Progress, RunState
-from .recipe import Recipe, canonical_json, config_hash, hashed_config, is_secret_name, parse_recipe
+from .recipe import Recipe, parse_recipe
 from .rundir import RunDir, RunLock, write_json_atomic
+from .stamp import canonical_json, config_hash, hashed_config, is_secret_name
 from .supervisor import Supervisor, default_jax_cache_dir
 
 

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -25,19 +24,13 @@ from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged
 from rkit.telemetry.node import exporter_file, node_name
 
-from ..conftest import TINY, require_maxtext, require_prometheus
+from ..conftest import TINY, free_port, require_maxtext, require_prometheus, wait_until
 
 pytestmark = [pytest.mark.maxtext, pytest.mark.slow]
 
 NAME = "prom"
 STEPS = 60
 START_TIMEOUT = 420  # imports, jax.distributed and XLA compilation on a small shared CPU
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get_json(url: str) -> dict:
@@ -62,18 +55,6 @@ class LiveRun:
 
     def training_output(self) -> str:
         return self.training_log.read_text(errors="replace")[-4000:]
-
-
-def wait_until(predicate, timeout: float, what: str, alive: subprocess.Popen | None = None, log=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        if alive is not None and alive.poll() is not None:
-            raise AssertionError(f"{what}: the process ended (exit {alive.returncode})\n{log() if log else ''}")
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{log() if log else ''}")
 
 
 def read_json(path: Path) -> dict | None:
@@ -101,7 +82,8 @@ def live(tmp_path_factory) -> LiveRun:
     try:
         # The node process writes where its exporter listens (9400 by default, a free port if that is taken).
         exporter = wait_until(lambda: read_json(exporter_file(run, node_name())), START_TIMEOUT,
-                              "the node exporter's address", alive=training, log=lambda: log.read_text())
+                              "the node exporter's address", every=0.25, alive=training,
+                              log=lambda: log.read_text())
         data = workspace / "prometheus data"
         config = workspace / "prometheus.yml"
         config.write_text(json.dumps({  # JSON is YAML
@@ -122,7 +104,7 @@ def live(tmp_path_factory) -> LiveRun:
             except OSError:
                 return False
 
-        wait_until(ready, 60, "Prometheus to be ready", alive=prometheus,
+        wait_until(ready, 60, "Prometheus to be ready", every=0.25, alive=prometheus,
                    log=lambda: (workspace / "prometheus.log").read_text())
         yield LiveRun(run, training, log, prometheus, f"http://{web}", exporter)
     finally:
@@ -159,7 +141,8 @@ def test_prometheus_scrapes_the_step_as_it_advances(live: LiveRun):
             found.setdefault(float(series["value"][1]), series["metric"])
         return len([v for v in found if v > 0]) >= 2
 
-    wait_until(advanced, 600, "two different scraped steps", alive=live.training, log=live.training_output)
+    wait_until(advanced, 600, "two different scraped steps", every=0.25, alive=live.training,
+               log=live.training_output)
     labels = next(iter(found.values()))
     assert labels["run"] == NAME and labels["rank"] == "0" and labels["node"] == node_name()
     assert labels["instance"] == f"{live.exporter['host']}:{live.exporter['port']}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rkit import plots
+from rkit import report
 from rkit.rundir import RunDir
 
 from ..conftest import TINY, require_maxtext, rkit
@@ -57,7 +57,7 @@ def test_report_writes_plots_and_summary(faulty_run: RunDir):
                    "| productive training |", "| recomputed steps |"):
         assert needle in md, needle
     assert stamp["config_hash"] in (out / "summary.html").read_text()
-    series = plots.plot_series(faulty_run)
+    series = report.plot_series(faulty_run)
     assert [a for _, a in series.boundaries] == [1, 2, 3]
     assert [cause for _, cause in series.failures] == ["task_signal", "task_exit"]
     starts = [t for t, _ in series.boundaries]

@@ -15,7 +15,7 @@ import pytest
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged
 
-from ..conftest import REPO, missing_test_bed, require_maxtext, rkit
+from ..conftest import REPO, missing_test_bed, require_maxtext, rkit, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -56,16 +56,6 @@ def job_of(run: RunDir) -> str:
 def squeue(cluster, job: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T|%r"], capture_output=True, text=True,
                           env=dict(os.environ, **cluster), check=False).stdout.strip()
-
-
-def wait_until(predicate, timeout: float, what: str, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def status(cluster, run: RunDir) -> dict:

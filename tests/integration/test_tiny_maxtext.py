@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged, read_rank
 
-from ..conftest import TINY, require_maxtext, rkit
+from ..conftest import TINY, require_maxtext, rkit, wait_until
 
 pytestmark = [pytest.mark.maxtext, pytest.mark.slow]
 
@@ -178,10 +177,10 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(workspace: Path, baseline: Run
     argv = [sys.executable, "-m", "rkit.cli", "run", str(TINY), "-o", "name=interrupted", *SHORT]
     proc = subprocess.Popen(argv, cwd=workspace, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = RunDir(workspace / "runs" / "interrupted")
-    deadline = time.monotonic() + 300
-    while not merged(run, rank=0) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)
+    try:
+        wait_until(lambda: merged(run, rank=0) or proc.poll() is not None, 300, "the first step", every=0.02)
+    finally:
+        proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err

@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..rundir import RunDir
+from .base import Handle, RankExit
+
 
 @dataclass(frozen=True)
 class RankLaunch:
@@ -34,31 +37,17 @@ class LaunchRequest:
     def describe(self) -> str:
         return "\n".join(f"rank {r.rank}: {' '.join(r.argv)}  > {r.log}" for r in self.ranks)
 
-
-@dataclass
-class RankExit:
-    rank: int
-    returncode: int  # negative: killed by that signal (subprocess convention)
-    node: str | None = None
-
-    @property
-    def signal_name(self) -> str | None:
-        if self.returncode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.returncode).name
-        except ValueError:
-            return f"signal {-self.returncode}"
-
-    def describe(self) -> str:
-        return f"killed by {self.signal_name}" if self.signal_name else f"exited with code {self.returncode}"
+    def as_record(self, root: Path) -> dict:
+        return {"ranks": [{"rank": r.rank, "argv": r.argv, "log": str(r.log.relative_to(root))} for r in self.ranks]}
 
 
 @dataclass
-class LocalAttempt:
-    request: LaunchRequest
+class LocalAttempt(Handle):
+    request: LaunchRequest | None = None
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
-    exits: dict[int, RankExit] = field(default_factory=dict)
+
+    def pids(self) -> dict[str, int]:
+        return {str(r): p.pid for r, p in self.procs.items()}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,11 +81,14 @@ class Container:
 
 
 class LocalBackend:
+    """Every rank on this machine; nodes cannot be chosen, so nothing is ever excluded."""
+
     name = "local"
 
     def __init__(self, python: str | None = None, container: Container | None = None):
         self.python = python or sys.executable
         self.container = container
+        self.exclude: list[str] = []
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,
@@ -113,7 +105,7 @@ class LocalBackend:
                 argv, env = self.container.wrap(argv), Container.wrap_env(host_env or {}, env)
             else:
                 argv = [self.python, *argv]
-            ranks.append(RankLaunch(rank=rank, argv=argv, env=env, log=attempt_dir / f"rank-{rank}.log"))
+            ranks.append(RankLaunch(rank=rank, argv=argv, env=env, log=attempt_dir / RunDir.rank_log_name(rank)))
         return LaunchRequest(attempt=attempt, ranks=ranks, cwd=cwd)
 
     def submit(self, request: LaunchRequest) -> LocalAttempt:
@@ -143,6 +135,10 @@ class LocalBackend:
         self.poll(handle)
         return [rank for rank in handle.procs if rank not in handle.exits]
 
+    def request_save(self, handle: LocalAttempt) -> None:
+        """SIGTERM to every rank: JAX and Orbax save at the preemption sync point, then MaxText stops."""
+        self.signal_all(handle, signal.SIGTERM)
+
     def signal_all(self, handle: LocalAttempt, sig: int) -> None:
         for rank, proc in handle.procs.items():
             if rank not in handle.exits:
@@ -162,6 +158,9 @@ class LocalBackend:
             self._signal_group(proc, signal.SIGKILL)
 
     def nodes(self, handle: LocalAttempt) -> list[str]:
+        return [socket.gethostname()]
+
+    def healthy_nodes(self) -> list[str]:
         return [socket.gethostname()]
 
     def down_nodes(self, handle: LocalAttempt) -> list[str]:
@@ -205,7 +204,7 @@ class LocalBackend:
                 try:
                     done = subprocess.run([pyspy, "dump", "--pid", str(target)], capture_output=True, text=True,
                                           timeout=30, check=False)
-                    (out_dir / f"rank-{rank}.py-spy.txt").write_text(done.stdout + done.stderr)
+                    (out_dir / RunDir.stacks_file_name(rank, "py-spy")).write_text(done.stdout + done.stderr)
                     continue
                 except (OSError, subprocess.TimeoutExpired):
                     how = "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"

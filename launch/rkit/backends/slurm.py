@@ -14,14 +14,26 @@ import socket
 import subprocess
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RkitError
 from ..rundir import RunDir
-from .local import RankExit
+from .base import Handle, NotEnoughNodes, RankExit
 
 BATCH_SCRIPT = "job.sbatch"
+
+# sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
+# come from.
+OWNED_OPTIONS = {
+    "--requeue": "always on", "--no-requeue": "rkit requeues", "--signal": "slurm.signal_lead_seconds",
+    "--parsable": "always on", "--output": "the run directory", "--error": "the run directory",
+    "--open-mode": "append", "--nodes": "resources.nodes + slurm.spare_nodes",
+    "--ntasks-per-node": "resources.processes_per_node", "--ntasks": "resources", "--job-name": "name",
+    "--partition": "slurm.partition", "--account": "slurm.account", "--qos": "slurm.qos", "--time": "slurm.time",
+    "--gpus-per-node": "slurm.gpus_per_node", "--exclusive": "slurm.exclusive", "--wrap": "the batch script",
+    "--container": "image and slurm.container_launch", "--chdir": "the run directory",
+}
 
 
 @dataclass(frozen=True)
@@ -176,13 +188,17 @@ class StepRequest:
     def describe(self) -> str:
         return shlex.join(self.argv)
 
+    def as_record(self, root: Path) -> dict:
+        return {"argv": self.argv, "nodes": self.nodes, "log": str(self.log.relative_to(root))}
+
 
 @dataclass
-class StepHandle:
-    request: StepRequest
-    proc: subprocess.Popen
-    exits: dict[int, RankExit] = field(default_factory=dict)
-    failed_nodes: list[str] = field(default_factory=list)
+class StepHandle(Handle):
+    request: StepRequest | None = None
+    proc: subprocess.Popen | None = None
+
+    def pids(self) -> dict[str, int]:
+        return {"srun": self.proc.pid}
 
 
 def step_port(job_id: str, attempt: int) -> int:
@@ -228,7 +244,7 @@ class SlurmStepBackend:
         env.pop("RKIT_RANK", None)  # each task's rank is its SLURM_PROCID
         srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={processes}",
                 f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
-                f"--output={attempt_dir}/rank-%t.log", "--export=ALL", f"--job-name=attempt-{attempt}"]
+                f"--output={attempt_dir / RunDir.rank_log_name('%t')}", "--export=ALL", f"--job-name=attempt-{attempt}"]
         agent = ["-m", "rkit.agent", *trainer_args]
         if self.sif is None:
             argv = [*srun, self.python, *agent]
@@ -241,7 +257,8 @@ class SlurmStepBackend:
             argv = [*srun, "apptainer", "exec", *self.gpu_flags, *binds, self.sif, "/opt/venv/bin/python", *agent]
             for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
                 env.pop(name, None)
-        return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes, log=attempt_dir / "srun.log", cwd=cwd)
+        return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes,
+                           log=attempt_dir / RunDir.launcher_log_name, cwd=cwd)
 
     def submit(self, request: StepRequest) -> StepHandle:
         request.log.parent.mkdir(parents=True, exist_ok=True)
@@ -283,14 +300,18 @@ class SlurmStepBackend:
     def running(self, handle: StepHandle) -> list[int]:
         return [] if handle.proc.poll() is not None else list(range(int(handle.request.env["RKIT_NPROCS"])))
 
+    def request_save(self, handle: StepHandle) -> None:
+        """Through the agents' request file: a container runtime between srun and the trainer may not pass a
+        signal on (or may die of it and leave the trainer running)."""
+        if handle.proc.poll() is None:
+            RunDir(handle.request.env["RKIT_RUN_DIR"]).preempt_request(handle.request.attempt).touch()
+
     def signal_all(self, handle: StepHandle, sig: int) -> None:
         """SIGTERM (save and stop) goes through the agents' request file; any other signal ends the step."""
         if handle.proc.poll() is not None:
             return
         if sig == signal.SIGTERM:
-            from ..agent import preempt_request_path
-
-            preempt_request_path(RunDir(handle.request.env["RKIT_RUN_DIR"]), handle.request.attempt).touch()
+            self.request_save(handle)
             return
         job_id = os.environ.get("SLURM_JOB_ID")
         step = self._step_id(handle)
@@ -355,12 +376,6 @@ class SlurmStepBackend:
             subprocess.run(["scancel", f"--signal={sig}", f"{job_id}.{step}"], capture_output=True, check=False)
         time.sleep(0.5)
         return "faulthandler (SIGQUIT through scancel; the agents write stacks/rank-<r>.txt)"
-
-
-class NotEnoughNodes(Exception):
-    def __init__(self, healthy: list[str], excluded: list[str]):
-        self.healthy, self.excluded = healthy, excluded
-        super().__init__(f"{len(healthy)} healthy node(s) left in the allocation (excluded: {', '.join(excluded)})")
 
 
 def _ranks(spec: str) -> list[int]:

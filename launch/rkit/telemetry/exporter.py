@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..errors import RkitError
-from ..rundir import RunDir
+from ..rundir import EV, RunDir
 from . import metrics as step_metrics
 from .metrics import MetricsTail
 
@@ -87,12 +87,12 @@ class _EventTally:
     def add(self, event: dict) -> None:
         name = str(event.get("event", ""))
         self.events[name] += 1
-        if name == "attempt.started":
+        if name == EV.ATTEMPT_STARTED:
             self.attempts_started += 1
             attempt = event.get("attempt")
             if isinstance(attempt, int):
                 self.current_attempt = max(self.current_attempt, attempt)
-        elif name == "attempt.ended":
+        elif name == EV.ATTEMPT_ENDED:
             self.ended[str(event.get("cause"))] += 1
             if event.get("decision") in ("restart", "requeue"):
                 self.restarts += 1

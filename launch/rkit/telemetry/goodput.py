@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rundir import RunDir
+from ..rundir import EV, RunDir
 from . import metrics
 
 CATEGORIES = {
@@ -51,8 +51,8 @@ CATEGORIES = {
     "other": "other",
 }
 PRIORITY = ("hang", "teardown", "startup", "steps", "requeue", "queue")
-SESSION_START = ("run.submitted", "run.resumed")
-SESSION_END = ("run.finished", "run.gave_up", "run.interrupted")
+SESSION_START = (EV.RUN_SUBMITTED, EV.RUN_RESUMED)
+SESSION_END = (EV.RUN_FINISHED, EV.RUN_GAVE_UP, EV.RUN_INTERRUPTED)
 
 
 @dataclass(frozen=True)
@@ -94,22 +94,30 @@ class _Attempt:
     last_seen: float | None = None
 
 
-def run_goodput(run: RunDir, now: float | None = None) -> Goodput:
-    """Goodput of a run directory; pass `now` while the run is live (its open session ends now)."""
+def run_goodput(run: RunDir, now: float | None = None, *, events: list[dict] | None = None,
+                lines: list[dict[str, Any]] | None = None) -> Goodput:
+    """Goodput of a run directory; pass `now` while the run is live (its open session ends now). `events`
+    (run.events()) and `lines` (run_lines): what the caller has read already, so that no file is read twice."""
     resolved = run.load_resolved()
-    events = run.events()
-    return compute(events, run_lines(run, events), checkpoint_period=(resolved.get("checkpoint") or {}).get("period"),
-                   now=now)
+    events = run.events() if events is None else events
+    lines = run_lines(run, events) if lines is None else lines
+    return compute(events, lines, checkpoint_period=(resolved.get("checkpoint") or {}).get("period"), now=now)
 
 
-def run_lines(run: RunDir, events: list[dict], rank0: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def run_lines(run: RunDir, events: list[dict], rank0: list[dict[str, Any]] | None = None,
+              every_rank: dict[int, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Placed metrics lines (see place_lines) enough for goodput and plots: rank 0's, plus every rank's only when
     some attempt that stepped has no rank-0 line (reading every rank of a large run costs). `rank0`: rank 0's
-    lines (metrics.lines) when the caller has read them already."""
+    lines (metrics.lines) when the caller has read them already; `every_rank`: every rank's, by rank (rank 0's
+    included) when the caller has read them all."""
+    if rank0 is None and every_rank is not None:
+        rank0 = every_rank.get(0, [])
     placed = place_lines(events, _rank_lines(run, 0, rank0))
-    stepped = {e.get("attempt") for e in events if e.get("event") == "attempt.first_step"}
+    stepped = {e.get("attempt") for e in events if e.get("event") == EV.ATTEMPT_FIRST_STEP}
     if stepped - {line["attempt"] for line in placed}:
-        placed = place_lines(events, [line for rank in metrics.ranks(run) for line in _rank_lines(run, rank)])
+        ranks = metrics.ranks(run) if every_rank is None else sorted(every_rank)
+        placed = place_lines(events, [line for rank in ranks for line in
+                                      _rank_lines(run, rank, None if every_rank is None else every_rank[rank])])
     return placed
 
 
@@ -126,7 +134,7 @@ def place_lines(events: list[dict], lines: Iterable[dict[str, Any]]) -> list[dic
     found by the step going back (a restart), matched newest-first to the attempts that reached a first step, and
     their time is that attempt's `attempt.first_step` plus the step times that follow (`t_estimated`).
     `recomputed`: the rank trained this step before, in an earlier line."""
-    stepped = [(e["attempt"], e["t"]) for e in events if e.get("event") == "attempt.first_step"
+    stepped = [(e["attempt"], e["t"]) for e in events if e.get("event") == EV.ATTEMPT_FIRST_STEP
                and e.get("attempt") is not None and e.get("t") is not None]
     anchors = dict(stepped)
     by_rank: dict[Any, list[dict[str, Any]]] = defaultdict(list)
@@ -244,20 +252,20 @@ def _attempts(events: list[dict], lines: list[dict[str, Any]]) -> list[_Attempt]
         n, t, kind = e.get("attempt"), e.get("t"), e.get("event")
         if n is None or not isinstance(t, (int, float)):
             continue
-        if kind == "attempt.started":
+        if kind == EV.ATTEMPT_STARTED:
             table[n] = _Attempt(number=n, started=t, last_seen=t)
             continue
         a = table.get(n)
         if a is None:
             continue
         a.last_seen = max(a.last_seen or t, t)
-        if kind == "attempt.first_step" and a.first_step is None:
+        if kind == EV.ATTEMPT_FIRST_STEP and a.first_step is None:
             a.first_step = t
-        elif kind == "attempt.failed" and a.failed is None:
+        elif kind == EV.ATTEMPT_FAILED and a.failed is None:
             a.failed = t
-        elif kind == "attempt.ended":
+        elif kind == EV.ATTEMPT_ENDED:
             a.ended = t
-        elif kind == "attempt.hang":
+        elif kind == EV.ATTEMPT_HANG:
             a.hangs.append((t, float(e.get("seconds_silent") or 0.0)))
     for line in lines:
         a = table.get(line["attempt"])
@@ -298,14 +306,6 @@ def _step_shares(ref: list[dict[str, Any]], period: int | None) -> dict[str, flo
         shares["checkpoint"] += excess
         shares["recompute" if line.get("recomputed") else "productive"] += t - excess
     return shares
-    median = statistics.median(t for _, t in times)
-    for line, t in times:
-        step = int(line["step"])
-        saves = bool(period) and period > 0 and (step % period == 0 or (step - 1) % period == 0)
-        excess = max(0.0, t - median) if saves else 0.0
-        shares["checkpoint"] += excess
-        shares["recompute" if line.get("recomputed") else "productive"] += t - excess
-    return shares
 
 
 def _near_save(step: int, period: int | None) -> bool:
@@ -322,11 +322,11 @@ def _queue_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
         kind, t = e.get("event"), e.get("t")
         if not isinstance(t, (int, float)):
             continue
-        if kind == "job.submitted":
+        if kind == EV.JOB_SUBMITTED:
             waiting = (t, "queue")
-        elif kind == "job.requeued":
+        elif kind == EV.JOB_REQUEUED:
             waiting = (t, "requeue")
-        elif kind == "job.started":
+        elif kind == EV.JOB_STARTED:
             if waiting is not None:
                 out.append((waiting[0], t, waiting[1]))
             elif (e.get("restart_count") or 0) > 0 and previous_t is not None:

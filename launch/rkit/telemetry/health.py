@@ -470,4 +470,4 @@ def _device(path: Path) -> int | None:
 
 
 def telemetry_file(run: RunDir, node: str) -> Path:
-    return run.path / "telemetry" / f"{node}.jsonl"
+    return run.telemetry_file(node)

@@ -36,7 +36,7 @@ PARENT_POLL_SECONDS = 1.0
 def observability_settings(run: RunDir) -> dict[str, Any]:
     """The run's `observability` section with the schema's defaults (a run stamped before it existed gets them
     all)."""
-    from ..recipe import apply_defaults, schema
+    from ..defaults import apply_defaults, schema
 
     settings = dict(run.load_resolved().get("observability") or {})
     apply_defaults(settings, schema()["properties"]["observability"])
@@ -64,7 +64,7 @@ def is_node_leader(launcher: str, environ: Mapping[str, str] | None = None) -> b
 
 
 def exporter_file(run: RunDir, node: str) -> Path:
-    return run.path / "telemetry" / f"{node}.exporter.json"
+    return run.exporter_file(node)
 
 
 def start_node_services(run: RunDir, attempt: int, node: str | None = None, node_index: int | None = None, *,

@@ -17,6 +17,21 @@ from ..rundir import RunDir
 MODULE = "maxtext.trainers.pre_train.train"
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
+# MaxText settings that rkit owns (maxtext_overrides and rank_overrides set them); a recipe sets them through
+# its own sections, and the recipe loader refuses them in trainer.overrides.
+OWNED_KEYS = {
+    "steps": "trainer.steps",
+    "base_output_directory": "runs_dir (rkit puts MaxText's output in the run directory)",
+    "run_name": "name (rkit sets MaxText's run_name so resume is automatic)",
+    "metrics_file": "nothing (rkit writes metrics/<rank>.jsonl)",
+    "enable_checkpointing": "checkpoint.period (checkpointing is always on: resume needs it)",
+    "checkpoint_period": "checkpoint.period",
+    "max_num_checkpoints_to_keep": "checkpoint.keep",
+    "async_checkpointing": "checkpoint.async",
+    "jax_cache_dir": "the RKIT_JAX_CACHE_DIR environment variable",
+    "skip_jax_distributed_system": "resources.processes_per_node (rkit sets up jax.distributed)",
+}
+
 
 def _render(value: Any) -> str:
     if isinstance(value, bool):

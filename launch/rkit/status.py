@@ -1,0 +1,332 @@
+"""`rkit status`: what a run directory says about where the run is and why, read from its files alone;
+`rkit status --watch`: the same, live."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .policy import FINAL_EVENTS, RunState
+from .rundir import EV, RunDir
+from .telemetry import goodput, metrics
+from .telemetry.stragglers import straggler_events
+from .trainers import maxtext
+
+SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED",
+                "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT")
+
+
+def slurm_info(events: list[dict]) -> dict[str, Any] | None:
+    """The run's Slurm job as its events and squeue see it (None for local runs)."""
+    submitted = [e for e in events if e.get("event") == EV.JOB_SUBMITTED]
+    if not submitted:
+        return None
+    from .backends import slurm
+
+    job = submitted[-1]["job_id"]
+    live = slurm.job_state(job)
+    started = [e for e in events if e.get("event") == EV.JOB_STARTED and e.get("job_id") == job]
+    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])
+    return {"job_id": job, "state": live.get("state", "gone (not in the queue)"), "reason": live.get("reason"),
+            "nodes": live.get("nodes") or (started[-1].get("allocation") if started else None),
+            "excluded_nodes": excluded,
+            # SLURM_RESTART_COUNT counts every requeue of the job, Slurm's own (node failure) and rkit's.
+            "requeues": max((e.get("restart_count", 0) for e in started), default=0),
+            "restart_count": started[-1].get("restart_count") if started else None}
+
+
+def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = None) -> tuple[RunState, str]:
+    if run.is_locked():
+        return RunState.RUNNING, "a supervisor is running this run"
+    for e in reversed(events):
+        kind = e.get("event")
+        if kind in FINAL_EVENTS:
+            return FINAL_EVENTS[kind], e.get("reason", "")
+        if kind in (EV.RUN_SUBMITTED, EV.RUN_RESUMED):
+            break
+    if not events:
+        return RunState.PENDING, "nothing has happened yet"
+    if slurm and slurm["state"] in SLURM_ACTIVE:
+        return RunState.PENDING if slurm["state"] != "RUNNING" else RunState.RUNNING, \
+            f"Slurm job {slurm['job_id']} is {slurm['state']}" + (f" ({slurm['reason']})" if slurm["reason"]
+                                                                   and slurm["reason"] != "None" else "")
+    return RunState.STOPPED, ("the supervisor ended without a final word (killed or machine lost); "
+                              "resume with `rkit run RECIPE --resume`")
+
+
+def attempts(events: list[dict]) -> list[dict[str, Any]]:
+    table: dict[int, dict[str, Any]] = {}
+    for e in events:
+        n = e.get("attempt")
+        if n is None:
+            continue
+        row = table.setdefault(n, {"attempt": n})
+        kind = e.get("event")
+        if kind == EV.ATTEMPT_STARTED:
+            row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"))
+        elif kind == EV.ATTEMPT_FIRST_STEP:
+            row["first_step_seconds"] = e.get("seconds_since_start")
+        elif kind == EV.ATTEMPT_ENDED:
+            row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
+                       committed_step=e.get("committed_step"))
+    return [table[n] for n in sorted(table)]
+
+
+def status(run: RunDir, *, events: list[dict] | None = None, resolved: dict | None = None, stamp: dict | None = None,
+           rank_lines: dict[int, list[dict[str, Any]]] | None = None,
+           placed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The run's state as plain data. The keywords are what a caller has read already (`rkit report` reads each
+    file once): events (run.events()), resolved (run.load_resolved()), stamp (run.load_manifest()), rank_lines
+    (metrics.lines of every rank, by rank) and placed (goodput.run_lines)."""
+    run.require()
+    resolved = run.load_resolved() if resolved is None else resolved
+    stamp = run.load_manifest() if stamp is None else stamp
+    events = run.events() if events is None else events
+    slurm = slurm_info(events)
+    state, reason = run_state(run, events, slurm)
+    total = int(resolved["trainer"]["steps"])
+    processes = resolved["resources"]["nodes"] * resolved["resources"]["processes_per_node"]
+    # read once: the merged view and the goodput both need it
+    rank0 = metrics.lines(run, 0) if rank_lines is None else rank_lines.get(0, [])
+    steps = list(metrics.merge(rank0).values())
+    recent = [s for s in steps[-20:] if s["step_time"]]
+    step_time = statistics.median(s["step_time"] for s in recent) if recent else None
+    tps = [s["tokens_per_sec_per_device"] for s in steps[-20:] if s["tokens_per_sec_per_device"]]
+    started = next((e["t"] for e in events if e.get("event") == EV.RUN_SUBMITTED), None)
+    ended = events[-1]["t"] if events and state is not RunState.RUNNING else time.time()
+    current = steps[-1]["step"] if steps else None
+    committed = maxtext.latest_committed_step(run)
+    done_steps = (current + 1) if current is not None else 0
+    eta = (total - done_steps) * step_time if state is RunState.RUNNING and step_time else None
+    final_loss = steps[-1]["loss"] if steps else None
+    # A live run's open session ends now; a finished or stopped one ends at its last record.
+    now = time.time() if state in (RunState.RUNNING, RunState.PENDING) else None
+    if placed is None:
+        placed = goodput.run_lines(run, events, rank0, every_rank=rank_lines)
+    lost = goodput.compute(events, placed,
+                           checkpoint_period=(resolved.get("checkpoint") or {}).get("period"), now=now)
+    table = attempts(events)
+    return {
+        "name": run.name,
+        "path": str(run.path),
+        "state": state.value,
+        "reason": reason,
+        "config_hash": stamp.get("config_hash"),
+        "step": current,
+        "total_steps": total,
+        "last_committed_step": committed,
+        "final_step_committed": committed is not None and committed >= maxtext.final_step(resolved),
+        "loss": final_loss,
+        "tokens_per_sec": statistics.median(tps) * processes if tps else None,
+        "step_time_seconds": step_time,
+        "elapsed_seconds": round(ended - started, 1) if started else None,
+        "eta_seconds": round(eta, 1) if eta is not None else None,
+        "recomputed_steps": sum(1 for s in steps if s["recomputed"]),
+        "attempts": table,
+        "injections": [e.get("spec") for e in events if e.get("event") == EV.INJECT_FIRED],
+        "slurm": slurm,
+        "goodput": lost.as_dict(top=3),
+        "stragglers": straggler_events(events),
+        "last_event": events[-1] if events else None,
+        "nodes": node_states(run, table[-1] if table else None, time.time(),
+                             latest=None if rank_lines is None else
+                             {rank: lines[-1] if lines else None for rank, lines in rank_lines.items()}),
+    }
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def render_status(s: dict[str, Any]) -> str:
+    state = s["state"]
+    lines = [f"run        {s['name']}  ({s['path']})",
+             f"state      {state}" + (f": {s['reason']}" if s["reason"] and state != "running" else "")]
+    step = "-" if s["step"] is None else s["step"] + 1
+    lines.append(f"progress   step {step}/{s['total_steps']}, last committed step "
+                 f"{_num(s['last_committed_step'], '{}')}, loss {_num(s['loss'], '{:.4f}')}")
+    lines.append(f"speed      {_num(s['tokens_per_sec'], '{:.0f}')} tokens/s, step time "
+                 f"{_num(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)")
+    lines.append(f"time       elapsed {_num(s['elapsed_seconds'])} s" +
+                 (f", ETA {_num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
+    lines.append(f"config     {s['config_hash']}")
+    lines.append(f"goodput    {render_goodput(s['goodput'])}")
+    for st in s["stragglers"]:
+        lines.append(f"straggler  {st['node']} in attempt {st['attempt']}: median step time "
+                     f"{_num(st['ratio'], '{:.2f}')}x the other nodes'")
+    if s.get("slurm"):
+        j = s["slurm"]
+        lines.append(f"slurm      job {j['job_id']} {j['state']}, nodes {j['nodes'] or '-'}, excluded "
+                     f"{', '.join(j['excluded_nodes']) or 'none'}, requeues {j['requeues']}")
+    if s["injections"]:
+        lines.append(f"injected   {', '.join(s['injections'])}")
+    lines.append(f"attempts   {len(s['attempts'])}" +
+                 (f" ({s['recomputed_steps']} step(s) recomputed after restarts)" if s["recomputed_steps"] else ""))
+    for a in s["attempts"]:
+        resume = a.get("resume_from_step")
+        start = "from scratch" if resume is None else f"resumed from step {resume}"
+        end = a.get("cause", "running")
+        detail = f" ({a['detail']})" if a.get("detail") else ""
+        lines.append(f"  #{a['attempt']}  {start}: {end}{detail}")
+    return "\n".join(lines)
+
+
+def render_goodput(g: dict[str, Any]) -> str:
+    """Goodput in one line, e.g. `87.2% of 120.3 s; lost: start-up and compilation 9.1 s, ...` (top losses)."""
+    if g["goodput"] is None:
+        return "-"
+    losses = ", ".join(f"{x['label']} {x['seconds']:.1f} s" for x in g["top_losses"])
+    return f"{g['goodput']:.1%} of {g['wall_seconds']:.1f} s" + (f"; lost: {losses}" if losses else "")
+
+
+def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
+    """`rkit run --wait`: print progress lines until the run reaches a final state and its job left the queue."""
+    last = None
+    while True:
+        s = status(run)
+        line = f"{s['state']}: step {'-' if s['step'] is None else s['step'] + 1}/{s['total_steps']}, " \
+               f"committed {s['last_committed_step']}, attempts {len(s['attempts'])}"
+        if line != last:
+            echo(line)
+            last = line
+        slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
+        if RunState(s["state"]).is_final() and slurm_done:
+            return RunState(s["state"])
+        time.sleep(poll_seconds)
+
+
+def _last_jsonl_line(path: Path, tail_bytes: int = 65536) -> dict | None:
+    """The newest whole line of a JSONL file, read from its end: metrics and telemetry files grow for days."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            chunk = fh.read()
+    except OSError:
+        return None
+    for raw in reversed(chunk.split(b"\n")):
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float,
+                latest: dict[int, dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
+    """Per node of the current attempt: the ranks that reported a step in it, their newest step, and the age of
+    the node's newest health sample (telemetry/<node>.jsonl). Reads only the ends of the files; `latest`: each
+    rank's newest metrics line (normalized) when the caller has read the metrics files already."""
+    if attempt is None:
+        return []
+    nodes = [str(n) for n in attempt.get("nodes") or []]
+    rows = {n: {"node": n, "ranks": [], "last_step": None, "telemetry_age_seconds": None} for n in nodes}
+    for rank in metrics.ranks(run) if latest is None else sorted(latest):
+        if latest is None:
+            raw = _last_jsonl_line(run.metrics_file(rank))
+            line = metrics.normalize(raw) if raw else None
+        else:
+            line = latest[rank]
+        if line is None or (line.get("attempt") is not None and line["attempt"] != attempt["attempt"]):
+            continue  # nothing from this rank in this attempt yet
+        # MaxText's raw lines name no node: on a one-node attempt it can only be that node.
+        node = str(line.get("node") or (nodes[0] if len(nodes) == 1 else "?"))
+        row = rows.setdefault(node, {"node": node, "ranks": [], "last_step": None, "telemetry_age_seconds": None})
+        row["ranks"].append(rank)
+        row["last_step"] = line["step"] if row["last_step"] is None else max(row["last_step"], line["step"])
+    for row in rows.values():
+        sample = _last_jsonl_line(run.path / "telemetry" / f"{row['node']}.jsonl")
+        if sample and isinstance(sample.get("t"), (int, float)):
+            row["telemetry_age_seconds"] = round(now - sample["t"], 1)
+    return list(rows.values())
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def render_watch(s: dict[str, Any], now: float) -> Any:
+    """One frame of `rkit status --watch` (a rich renderable): progress with ETA, speed, nodes, last event."""
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    done = 0 if s["step"] is None else s["step"] + 1
+    head = Text.assemble((s["name"], "bold"), f"  {s['state']}",
+                         f": {s['reason']}" if s["reason"] and s["state"] != "running" else "")
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=max(s["total_steps"], 1), completed=done, width=40),
+                f"step {done}/{s['total_steps']}", f"ETA {_duration(s['eta_seconds'])}",
+                f"{_num(s['tokens_per_sec'], '{:,.0f}')} tokens/s",
+                f"committed {_num(s['last_committed_step'], '{}')}", f"attempt {len(s['attempts']) or '-'}")
+    nodes = Table(box=None, padding=(0, 2), show_edge=False)
+    for column in ("node", "ranks", "last step", "telemetry sample"):
+        nodes.add_column(column)
+    for row in s["nodes"]:
+        age = row["telemetry_age_seconds"]
+        nodes.add_row(row["node"], ",".join(map(str, row["ranks"])) or "-", _num(row["last_step"], "{}"),
+                      "-" if age is None else f"{age:.0f} s ago")
+    parts: list[Any] = [head, bar, nodes, Text(f"goodput  {render_goodput(s['goodput'])}")]
+    parts.extend(Text(f"straggler  {st['node']} (attempt {st['attempt']}): {_num(st['ratio'], '{:.2f}')}x",
+                      style="yellow") for st in s["stragglers"])
+    last = s.get("last_event")
+    if last:
+        fields = " ".join(f"{k}={v}" for k, v in sorted(last.items()) if k not in ("t", "event")
+                          and isinstance(v, (str, int, float)))
+        parts.append(Text(f"last event  {now - last['t']:.0f} s ago: {last['event']} {fields}"[:300]))
+    return Group(*parts)
+
+
+def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callable[[], float] = time.time,
+          sleep: Callable[[float], None] = time.sleep) -> RunState:
+    """`rkit status --watch`: redraw the run's state every `interval` seconds until it ends or Ctrl-C."""
+    from rich.console import Console
+    from rich.live import Live
+
+    s = status(run)
+    console = console or Console()
+    with Live(render_watch(s, clock()), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                live.update(render_watch(s, clock()), refresh=True)
+                slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
+                if RunState(s["state"]).is_final() and slurm_done:
+                    break
+                sleep(interval)
+                s = status(run)
+        except KeyboardInterrupt:
+            pass
+    if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's
+        console.line()
+    return RunState(s["state"])
+
+
+def print_log(run: RunDir, *, rank: int, attempt: int | None, follow: bool, echo) -> None:
+    from .errors import RkitError
+
+    numbers = run.attempt_numbers()
+    if not numbers:
+        raise RkitError(f"{run.path}: no attempts yet.")
+    n = numbers[-1] if attempt is None else attempt
+    path = run.attempt_dir(n) / f"rank-{rank}.log"
+    if not path.exists():
+        raise RkitError(f"{path}: no such log (attempts: {', '.join(map(str, numbers))}; ranks start at 0).")
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        while True:
+            chunk = fh.read()
+            if chunk:
+                echo(chunk.rstrip("\n"))
+            if not follow:
+                return
+            time.sleep(0.5)

@@ -1,0 +1,301 @@
+"""The attempt loop (Supervisor.run_attempt / run_to_end) driven by a fake backend through every ending: rank
+exit, rank signal, hang, lost node, preemption, user stop, completion. No processes, no sleeping: the fake
+backend advances one training step per poll and the clock one second per poll."""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit
+from rkit.policy import Cause, Progress, RunState
+from rkit.recipe import load_recipe
+from rkit.rundir import EV, RunDir
+from rkit.supervisor import Supervisor
+from rkit.trainers import maxtext
+
+from ..conftest import TINY
+
+STEPS = 12
+PERIOD = 4
+
+
+@dataclass
+class FakeRequest:
+    attempt: int
+    processes: int
+
+    def describe(self) -> str:
+        return f"fake attempt {self.attempt}"
+
+    def as_record(self, root: Path) -> dict:
+        return {"fake": True, "processes": self.processes}
+
+
+@dataclass
+class FakeHandle(Handle):
+    attempt: int = 0
+    step: dict[int, int] = field(default_factory=dict)  # each live rank's last completed step
+    silent: set[int] = field(default_factory=set)  # hung ranks: alive, no progress
+    saving: bool = False
+
+    def pids(self) -> dict[str, int]:
+        return {str(r): 10_000 + r for r in self.step}
+
+
+class Script:
+    """What happens in which attempt at which step: rank exits, signals, node losses, hangs, a user's stop."""
+
+    def __init__(self, **faults):
+        self.faults = faults  # name -> (attempt or None for every attempt, step, ...)
+
+    def at(self, kind: str, attempt: int, step: int):
+        fault = self.faults.get(kind)
+        if fault is None:
+            return None
+        when, at_step, *rest = fault
+        return rest or True if (when in (None, attempt) and at_step == step) else None
+
+
+class FakeBackend:
+    """Implements the Backend protocol; trains one step per poll, commits every PERIOD steps."""
+
+    name = "fake"
+
+    def __init__(self, run: RunDir, sup_ref: list, script: Script, nodes: tuple[str, ...] = ("n1", "n2", "n3"),
+                 per_step: int = 2):
+        self.run, self.sup_ref, self.script = run, sup_ref, script
+        self.all_nodes, self.per_step = list(nodes), per_step
+        self.exclude: list[str] = []
+        self.saves_requested = 0
+        self.stops: list[float] = []
+
+    def prepare(self, *, attempt, processes, trainer_args, base_env, attempt_dir, cwd, port=None, host_env=None):
+        if len(self.healthy_nodes()) < self.per_step:
+            raise NotEnoughNodes(self.healthy_nodes(), self.exclude)
+        assert any(a.startswith("checkpoint_period=") for a in trainer_args)
+        return FakeRequest(attempt, processes)
+
+    def submit(self, request: FakeRequest) -> FakeHandle:
+        start = maxtext.latest_committed_step(self.run)
+        return FakeHandle(attempt=request.attempt, step={r: -1 if start is None else start
+                                                         for r in range(request.processes)})
+
+    def _train(self, handle: FakeHandle, rank: int) -> None:
+        step = handle.step[rank] + 1
+        handle.step[rank] = step
+        line = {"step": step, "loss": 10.0 - step * 0.1, "step_time": 1.0, "attempt": handle.attempt,
+                "rank": rank, "node": self.healthy_nodes()[rank % self.per_step]}
+        with open(self.run.metrics_file(rank), "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        if rank == 0 and (step % PERIOD == 0 or step == STEPS - 1 or handle.saving):
+            commit(self.run, step)
+
+    def poll(self, handle: FakeHandle) -> dict[int, RankExit]:
+        for rank in list(handle.step):
+            if rank in handle.exits or handle.silent:  # a silent rank blocks its peers in the next collective
+                continue
+            if handle.saving:  # the preemption path: save where it is and exit 0
+                commit(self.run, handle.step[rank])
+                handle.exits[rank] = RankExit(rank, 0)
+                continue
+            self._train(handle, rank)
+            step = handle.step[rank]
+            if rank == 0 and (code := self.script.at("exit", handle.attempt, step)):
+                handle.exits[rank] = RankExit(rank, code[0], "n1")
+            elif rank == 1 and self.script.at("kill", handle.attempt, step):
+                handle.exits[rank] = RankExit(rank, -signal.SIGKILL, "n2")
+            elif rank == 1 and self.script.at("node", handle.attempt, step):
+                handle.exits[rank] = RankExit(rank, -signal.SIGKILL, "n2")
+                handle.failed_nodes.append("n2")
+            elif rank == 1 and self.script.at("hang", handle.attempt, step):
+                handle.silent.add(rank)
+            elif rank == 0 and self.script.at("interrupt", handle.attempt, step):
+                self.sup_ref[0].request_stop()
+            elif rank == 0 and self.script.at("preempt", handle.attempt, step):
+                self.sup_ref[0].request_preempt(signal.SIGUSR1)
+            elif step >= STEPS - 1:
+                handle.exits[rank] = RankExit(rank, 0)
+        return handle.exits
+
+    def running(self, handle: FakeHandle) -> list[int]:
+        return [r for r in handle.step if r not in handle.exits]
+
+    def request_save(self, handle: FakeHandle) -> None:
+        self.saves_requested += 1
+        handle.saving = True
+
+    def stop(self, handle: FakeHandle, grace: float) -> None:
+        self.stops.append(grace)
+        for rank in self.running(handle):
+            handle.exits[rank] = RankExit(rank, -signal.SIGKILL if grace == 0 else -signal.SIGTERM)
+
+    def nodes(self, handle: FakeHandle) -> list[str]:
+        return self.healthy_nodes()[: self.per_step]
+
+    def healthy_nodes(self) -> list[str]:
+        return [n for n in self.all_nodes if n not in self.exclude]
+
+    def down_nodes(self, handle: FakeHandle) -> list[str]:
+        return []
+
+    def stopped_ranks(self, handle: FakeHandle) -> list[int]:
+        return sorted(handle.silent)
+
+    def dump_stacks(self, handle: FakeHandle, out_dir: Path, stopped: list[int]) -> str:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for rank in stopped:
+            (out_dir / f"rank-{rank}.txt").write_text("Thread 0x0 (most recent call first):\n")
+        return "fake"
+
+
+def commit(run: RunDir, step: int) -> None:
+    path = run.orbax_dir / str(step)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "commit_success.txt").write_text("ok")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0  # every look at the clock is a second later: hangs show without waiting
+        return self.now
+
+
+def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3")) -> tuple[Supervisor,
+                                                                                              FakeBackend]:
+    recipe = load_recipe(TINY, [f"trainer.steps={STEPS}", f"checkpoint.period={PERIOD}", "launcher=slurm",
+                                "resources.nodes=2", "resources.processes_per_node=1",
+                                "resilience.hang_timeout=5", "resilience.signal_grace_seconds=3", *overrides])
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    ref: list = []
+    backend = FakeBackend(run, ref, script, nodes=nodes)
+    missing = [m for m in vars(Backend) if not m.startswith("_") and not hasattr(backend, m)]
+    assert not missing, f"the fake backend lacks {missing} of the Backend protocol"
+    sup = Supervisor(run=run, resolved=recipe.resolved, injections=[], backend=backend, base_env={},
+                     jax_cache_dir=str(tmp_path / "jax"), poll_seconds=0, clock=Clock())
+    ref.append(sup)
+    return sup, backend
+
+
+def events(run: RunDir, name: str) -> list[dict]:
+    return [e for e in run.events() if e["event"] == name]
+
+
+def attempt(sup: Supervisor):
+    return sup.run_attempt(Progress(total_steps=STEPS), [])
+
+
+def test_completion(tmp_path):
+    sup, backend = make(tmp_path, Script())
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.COMPLETED and outcome.committed_after == STEPS - 1 and outcome.detail == ""
+    record = json.loads(sup.run.attempt_record(1).read_text())
+    assert record["cause"] == "completed" and record["launch"] == {"fake": True, "processes": 2}
+    assert record["exits"] == {"0": {"exit_code": 0, "signal": None, "node": None},
+                               "1": {"exit_code": 0, "signal": None, "node": None}}
+    assert len(events(sup.run, EV.ATTEMPT_FIRST_STEP)) == 1 and backend.stops == []
+
+
+def test_rank_exit(tmp_path):
+    sup, backend = make(tmp_path, Script(exit=(1, 6, 3)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.TASK_EXIT and outcome.detail == "rank 0 exited with code 3 at step 6"
+    assert (outcome.rank, outcome.code, outcome.step) == (0, 3, 6) and outcome.committed_after == 4
+    failed = events(sup.run, EV.ATTEMPT_FAILED)[0]
+    assert failed["cls"] == "task_exit" and failed["exit_code"] == 3 and failed["node"] == "n1"
+    assert backend.stops == [0]  # the peers are stopped at once, not left in a collective
+
+
+def test_rank_signal(tmp_path):
+    sup, backend = make(tmp_path, Script(kill=(1, 5)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.TASK_SIGNAL and outcome.detail == "rank 1 killed by SIGKILL at step 5"
+    assert events(sup.run, EV.ATTEMPT_FAILED)[0]["signal"] == "SIGKILL" and backend.stops == [0]
+
+
+def test_hang(tmp_path):
+    sup, backend = make(tmp_path, Script(hang=(1, 6)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.HANG and outcome.rank == 1 and outcome.step == 6
+    assert outcome.detail.startswith("hang: rank 1 made no step progress")
+    hang = events(sup.run, EV.ATTEMPT_HANG)[0]
+    assert hang["rank"] == 1 and hang["stopped_ranks"] == [1] and hang["timeout"] == 5
+    assert events(sup.run, EV.ATTEMPT_STACKS_DUMPED)[0]["how"] == "fake"
+    assert (sup.run.stacks_dir(1) / "rank-1.txt").exists() and backend.stops == [3]
+
+
+def test_lost_node_is_excluded(tmp_path):
+    sup, backend = make(tmp_path, Script(node=(1, 7)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.NODE_FAIL and outcome.nodes == ("n2",) and not outcome.requeue
+    assert outcome.detail == "node failure on n2 (rank 1 lost at step 7)"
+    assert backend.exclude == ["n2"] and events(sup.run, EV.NODES_EXCLUDED)[0]["healthy"] == ["n1", "n3"]
+    assert backend.nodes(None) == ["n1", "n3"]  # the next attempt runs on the spare
+
+
+def test_lost_node_without_a_spare_requeues(tmp_path):
+    sup, backend = make(tmp_path, Script(node=(1, 7)), nodes=("n1", "n2"))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.NODE_FAIL and outcome.requeue
+    nxt = attempt(sup)  # no healthy pair left: the allocation cannot go on
+    assert nxt.cause is Cause.NODE_FAIL and nxt.requeue and events(sup.run, EV.ATTEMPT_NO_NODES)
+
+
+def test_preemption_saves_and_requeues(tmp_path):
+    sup, backend = make(tmp_path, Script(preempt=(1, 6)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.PREEMPTED and outcome.requeue and backend.saves_requested == 1
+    # The signal came while rank 0 wrote step 6; the supervisor had read up to step 5.
+    assert outcome.detail == "SIGUSR1 at step 5 (time limit or preemption)"
+    assert outcome.committed_after is not None and outcome.committed_after >= 6
+    requested = events(sup.run, EV.PREEMPT_REQUESTED)[0]
+    assert requested["received"] == "SIGUSR1" and events(sup.run, EV.PREEMPT_SAVED)
+    assert backend.stops == []  # the ranks saved and exited within the grace
+
+
+def test_user_stop(tmp_path):
+    sup, backend = make(tmp_path, Script(interrupt=(1, 3)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.INTERRUPTED and backend.stops == [3]
+    assert events(sup.run, EV.STOP_REQUESTED)[0]["grace_seconds"] == 3
+
+
+def test_run_to_end_resumes_after_each_failure_and_finishes(tmp_path):
+    sup, backend = make(tmp_path, Script(kill=(1, 5), hang=(2, 9), node=(3, 10)))
+    assert sup.run_to_end() is RunState.FINISHED
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert [e["cause"] for e in ended] == ["task_signal", "hang", "node_fail", "completed"]
+    starts = [e["resume_from_step"] for e in events(sup.run, EV.ATTEMPT_STARTED)]
+    assert starts == [None, 4, 8, 8]
+    assert ended[-1]["tally"]["training_failures"] == 1 and ended[-1]["tally"]["infra_failures"] == 2
+
+
+def test_run_to_end_stops_a_crash_loop_on_its_signature(tmp_path):
+    sup, _ = make(tmp_path, Script(exit=(None, 6, 3)), "resilience.crash_loop_limit=2")
+    assert sup.run_to_end() is RunState.GAVE_UP
+    gave_up = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
+    assert gave_up.startswith("crash loop: 2 consecutive attempts failed the same way")
+    assert "rank 0 exited with code 3 at step 6" in gave_up
+    assert len(events(sup.run, EV.ATTEMPT_STARTED)) == 2  # attempt 1 committed step 4; the same failure anyway
+
+
+def test_run_to_end_records_a_lost_attempt_first(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    sup, _ = make(tmp_path, Script())
+    sup.run.emit(EV.ATTEMPT_STARTED, attempt=1, resume_from_step=None)
+    sup.run.attempt_dir(1).mkdir(parents=True)
+    assert sup.run_to_end() is RunState.FINISHED
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert [(e["attempt"], e["cause"]) for e in ended] == [(1, "lost"), (2, "completed")]
+
+
+def test_already_finished_run_starts_nothing(tmp_path):
+    sup, backend = make(tmp_path, Script())
+    commit(sup.run, STEPS - 1)
+    assert sup.run_to_end() is RunState.FINISHED and not events(sup.run, EV.ATTEMPT_STARTED)

@@ -1,0 +1,80 @@
+"""`rkit status` (goodput, stragglers, --watch) on a synthetic run directory."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from rkit import status as run_status
+from rkit.rundir import RunDir
+
+from .synthetic_run import T0, write_run
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> RunDir:
+    return RunDir(write_run(tmp_path / "runs dir" / "it's a <run>"))
+
+
+def test_status_has_goodput_stragglers_and_nodes(run: RunDir):
+    s = run_status.status(run)
+    g = s["goodput"]
+    assert g["wall_seconds"] == pytest.approx(123.0)
+    assert sum(g["seconds"].values()) == pytest.approx(g["wall_seconds"])
+    assert g["goodput"] == pytest.approx(round(19 / 123, 4))
+    assert [x["category"] for x in g["top_losses"]] == ["hang", "startup", "requeue"]
+    assert [(x["node"], x["attempt"]) for x in s["stragglers"]] == [("n3", 2)]
+    assert s["last_event"]["event"] == "run.finished"
+    assert {n["node"]: (n["ranks"], n["last_step"]) for n in s["nodes"]} == {"n1": ([0], 19), "n3": ([1], 19)}
+    json.dumps(s)  # --json prints it
+    text = run_status.render_status(s)
+    assert "goodput    15.4% of 123.0 s; lost: hang waits 30.0 s, start-up and compilation 30.0 s, requeue" in text
+    assert "straggler  n3 in attempt 2: median step time 1.90x" in text
+
+
+def test_node_state_reads_the_telemetry_sample_age(run: RunDir):
+    (run.path / "telemetry").mkdir()
+    (run.path / "telemetry" / "n1.jsonl").write_text(json.dumps({"t": T0 + 200, "node": "n1"}) + "\n{broken")
+    rows = run_status.node_states(run, {"attempt": 2, "nodes": ["n1", "n3"]}, now=T0 + 203.5)
+    assert rows[0] == {"node": "n1", "ranks": [0], "last_step": 19, "telemetry_age_seconds": 3.5}
+    assert rows[1]["telemetry_age_seconds"] is None
+    # Attempt 3 has started and nobody reported yet.
+    assert [r["ranks"] for r in run_status.node_states(run, {"attempt": 3, "nodes": ["n4"]}, now=0)] == [[]]
+
+
+def test_watch_of_a_finished_run(run: RunDir):
+    from rich.console import Console
+
+    out = io.StringIO()
+    sleeps: list[float] = []
+    state = run_status.watch(run, console=Console(file=out, width=160, force_terminal=False), sleep=sleeps.append,
+                             clock=lambda: T0 + 130)
+    assert state.value == "finished" and sleeps == []
+    text = out.getvalue()
+    assert "step 20/20" in text and "n1" in text and "n3" in text and "goodput  15.4%" in text
+    assert "last event  7 s ago: run.finished" in text
+
+
+def test_watch_redraws_until_the_run_ends(run: RunDir):
+    from rich.console import Console
+
+    final = run.events_file.read_text().splitlines()
+    run.events_file.write_text("\n".join(final[:-1]) + "\n")  # no run.finished yet
+    lines = run.events_file.read_text()
+    lock = run.lock().acquire()  # as a live supervisor does: the run is running until it lets go
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            run.events_file.write_text(lines + final[-1] + "\n")
+            lock.release()
+
+    try:
+        state = run_status.watch(run, console=Console(file=io.StringIO(), width=120), sleep=sleep)
+    finally:
+        lock.release()
+    assert state.value == "finished" and sleeps == [2.0, 2.0]
