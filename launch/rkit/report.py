@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import html
-import os
+import io
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +13,7 @@ from typing import Any
 
 from . import __version__
 from .errors import RkitError
-from .rundir import EV, RunDir
+from .rundir import EV, RunDir, write_atomic
 from .telemetry import goodput, metrics
 from .telemetry.stragglers import SKIP_STEPS, find_stragglers, straggler_events
 
@@ -117,9 +117,9 @@ def _when(t: float) -> datetime.datetime:
 
 
 def _save(fig: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", bbox_inches="tight")
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    write_atomic(path, buffer.getvalue())
 
 
 def plot(series: Series, key: str, path: Path, run_name: str) -> None:
@@ -284,12 +284,6 @@ def render_html(d: dict[str, Any], images: list[str]) -> str:
     return "\n".join(out)
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_report(run: RunDir, out: Path | None = None) -> list[Path]:
     """Write the plots and summaries (each file atomically: temp + rename); returns the paths written."""
     run.require()
@@ -313,6 +307,6 @@ def write_report(run: RunDir, out: Path | None = None) -> list[Path]:
     written.append(out / "goodput.png")
     images = [p.name for p in written]
     for name, text in (("summary.md", render_markdown(d, images)), ("summary.html", render_html(d, images))):
-        _write_text(out / name, text)
+        write_atomic(out / name, text)
         written.append(out / name)
     return written

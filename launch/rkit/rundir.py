@@ -7,7 +7,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,33 +49,83 @@ class EV:
     DISK_LOW = "disk.low"
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Write JSON so a reader never sees half a file (temp file + rename)."""
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """The one atomic writer: a reader never sees half a file (temp file beside it, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(value, fh, indent=2, sort_keys=True)
-        fh.write("\n")
+    with open(tmp, "wb") as fh:
+        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
+def write_json_atomic(path: Path, value: Any) -> None:
+    write_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _objects(raw_lines: Iterable[bytes | str]) -> Iterator[dict]:
+    """The JSON objects among lines; a line cut short by a crash (or joined to the next) is skipped."""
+    for raw in raw_lines:
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            yield value
+
+
 def read_jsonl(path: Path) -> Iterator[dict]:
-    """Lines of a JSONL file; a line cut short by a crash (or joined to the next) is skipped."""
+    """Every object of a JSON-lines file (events, metrics, telemetry), in file order."""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    value = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(value, dict):
-                    yield value
+            yield from _objects(fh)
     except FileNotFoundError:
         return
+
+
+def last_jsonl(path: Path, tail_bytes: int = 65536) -> dict | None:
+    """The newest whole object of a JSON-lines file, read from its end: metrics and telemetry grow for days."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            chunk = fh.read()
+    except OSError:
+        return None
+    return next(_objects(reversed(chunk.split(b"\n"))), None)
+
+
+class JsonlTail:
+    """Follows one JSON-lines file as it grows (a line still being written waits for its newline)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self._partial = b""
+
+    def skip_existing(self) -> None:
+        try:
+            self.offset = self.path.stat().st_size
+        except FileNotFoundError:
+            self.offset = 0
+
+    def poll_raw(self) -> list[dict]:
+        """The whole JSON objects appended since the last poll."""
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < self.offset:  # truncated (MaxText empties its file when it starts from step 0)
+                    self.offset, self._partial = 0, b""
+                fh.seek(self.offset)
+                chunk = fh.read()
+                self.offset = fh.tell()
+        except FileNotFoundError:
+            return []
+        parts = (self._partial + chunk).split(b"\n")
+        self._partial = parts.pop()
+        return list(_objects(parts))
 
 
 class RunDir:

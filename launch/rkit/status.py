@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .policy import FINAL_EVENTS, RunState
-from .rundir import EV, RunDir
+from .rundir import EV, RunDir, last_jsonl
 from .telemetry import goodput, metrics
 from .telemetry.stragglers import straggler_events
 from .trainers import maxtext
@@ -200,25 +197,6 @@ def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
         time.sleep(poll_seconds)
 
 
-def _last_jsonl_line(path: Path, tail_bytes: int = 65536) -> dict | None:
-    """The newest whole line of a JSONL file, read from its end: metrics and telemetry files grow for days."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - tail_bytes))
-            chunk = fh.read()
-    except OSError:
-        return None
-    for raw in reversed(chunk.split(b"\n")):
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            return value
-    return None
-
-
 def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float,
                 latest: dict[int, dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
     """Per node of the current attempt: the ranks that reported a step in it, their newest step, and the age of
@@ -230,7 +208,7 @@ def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float,
     rows = {n: {"node": n, "ranks": [], "last_step": None, "telemetry_age_seconds": None} for n in nodes}
     for rank in metrics.ranks(run) if latest is None else sorted(latest):
         if latest is None:
-            raw = _last_jsonl_line(run.metrics_file(rank))
+            raw = last_jsonl(run.metrics_file(rank))
             line = metrics.normalize(raw) if raw else None
         else:
             line = latest[rank]
@@ -242,7 +220,7 @@ def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float,
         row["ranks"].append(rank)
         row["last_step"] = line["step"] if row["last_step"] is None else max(row["last_step"], line["step"])
     for row in rows.values():
-        sample = _last_jsonl_line(run.path / "telemetry" / f"{row['node']}.jsonl")
+        sample = last_jsonl(run.telemetry_file(row["node"]))
         if sample and isinstance(sample.get("t"), (int, float)):
             row["telemetry_age_seconds"] = round(now - sample["t"], 1)
     return list(rows.values())

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged
-from rkit.telemetry.node import exporter_file, node_name
+from rkit.telemetry.node import node_name
 
 from ..conftest import TINY, free_port, require_maxtext, require_prometheus, wait_until
 
@@ -81,7 +81,7 @@ def live(tmp_path_factory) -> LiveRun:
     prometheus = None
     try:
         # The node process writes where its exporter listens (9400 by default, a free port if that is taken).
-        exporter = wait_until(lambda: read_json(exporter_file(run, node_name())), START_TIMEOUT,
+        exporter = wait_until(lambda: read_json(run.exporter_file(node_name())), START_TIMEOUT,
                               "the node exporter's address", every=0.25, alive=training,
                               log=lambda: log.read_text())
         data = workspace / "prometheus data"

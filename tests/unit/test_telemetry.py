@@ -21,7 +21,7 @@ from rkit.errors import RkitError
 from rkit.rundir import RunDir, read_jsonl
 from rkit.telemetry import exporter, health, node
 
-from ..conftest import rkit
+from ..conftest import rkit, wait_until
 
 # ---------------------------------------------------------------- fixtures
 
@@ -54,22 +54,6 @@ def value(samples: list, **labels: str) -> float:
     hits = [s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items())]
     assert len(hits) == 1, (labels, samples)
     return hits[0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ---------------------------------------------------------------- sampler
@@ -360,7 +344,7 @@ def test_non_leader_or_disabled_starts_nothing(run: RunDir):
 
 def read_exporter(run: RunDir, name: str):
     try:
-        return json.loads(node.exporter_file(run, name).read_text())
+        return json.loads(run.exporter_file(name).read_text())
     except (FileNotFoundError, ValueError):
         return None
 
@@ -376,10 +360,10 @@ def test_node_process_samples_serves_and_stops_on_sigterm(run: RunDir):
     proc = node.start_node_services(run, 1, "node-a", 1, environ={**os.environ, "RKIT_RANK": "0"})
     assert proc is not None
     try:
-        info = wait_for(lambda: read_exporter(run, "node-a"), what="exporter.json")
+        info = wait_until(lambda: read_exporter(run, "node-a"), 20, "exporter.json", every=0.05)
         assert info["host"] == "127.0.0.1" and info["attempt"] == 1 and info["pid"] == proc.pid
         assert info["requested_port"] == taken and info["port"] != taken  # a busy port: any free one instead
-        wait_for(lambda: len(list(read_jsonl(health.telemetry_file(run, "node-a")))) >= 2, what="samples")
+        wait_until(lambda: len(list(read_jsonl(run.telemetry_file("node-a")))) >= 2, 20, "samples", every=0.05)
         text = urllib.request.urlopen(info["url"], timeout=10).read().decode()
         assert 'rkit_node_cpu_percent{node="node-a",run="tele run"}' in text
         assert psutil.Process(proc.pid).nice() >= node.NICENESS

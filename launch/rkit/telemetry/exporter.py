@@ -23,9 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..errors import RkitError
-from ..rundir import EV, RunDir
+from ..rundir import EV, JsonlTail, RunDir
 from . import metrics as step_metrics
-from .metrics import MetricsTail
 
 DEFAULT_INTERFACE = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -114,11 +113,11 @@ class RunCollector(Collector):
         self.nodes = None if nodes is None else set(nodes)
         self.training, self.events = training, events
         self._lock = threading.Lock()  # scrapes run in threads of their own
-        self._rank_tails: dict[int, MetricsTail] = {}
+        self._rank_tails: dict[int, JsonlTail] = {}
         self._rank_latest: dict[int, dict] = {}
-        self._node_tails: dict[str, MetricsTail] = {}
+        self._node_tails: dict[str, JsonlTail] = {}
         self._node_latest: dict[str, dict] = {}
-        self._events_tail = MetricsTail(run.events_file)
+        self._events_tail = JsonlTail(run.events_file)
         self._tally = _EventTally()
 
     def describe(self) -> list[Metric]:
@@ -136,13 +135,13 @@ class RunCollector(Collector):
         """Read what was appended to the run's files since the previous call."""
         if self.training:
             for rank in step_metrics.ranks(self.run):
-                tail = self._rank_tails.setdefault(rank, MetricsTail(self.run.metrics_file(rank)))
+                tail = self._rank_tails.setdefault(rank, JsonlTail(self.run.metrics_file(rank)))
                 for raw in tail.poll_raw():
                     line = step_metrics.normalize(raw)
                     if line is not None:
                         self._rank_latest[rank] = line
         for node, path in self._telemetry_files():
-            tail = self._node_tails.setdefault(node, MetricsTail(path))
+            tail = self._node_tails.setdefault(node, JsonlTail(path))
             for sample in tail.poll_raw():
                 self._node_latest[node] = sample
         if self.events:
@@ -150,7 +149,7 @@ class RunCollector(Collector):
                 self._tally.add(event)
 
     def _telemetry_files(self) -> list[tuple[str, Any]]:
-        directory = self.run.path / "telemetry"
+        directory = self.run.telemetry_dir
         try:
             names = sorted(os.listdir(directory))
         except FileNotFoundError:

@@ -403,7 +403,7 @@ class HealthSampler:
         self.disk_low_fraction = disk_low_fraction
         self.gpu = default_gpu() if gpu is None else gpu
         self.paths = dict(paths) if paths is not None else {"run": run.path, "checkpoints": run.checkpoints}
-        self.path = telemetry_file(run, node)
+        self.path = run.telemetry_file(node)
         self._warned: set[str] = set()
         self._warned_devices: set[int] = set()
 
@@ -468,6 +468,3 @@ def _device(path: Path) -> int | None:
     except OSError:
         return None
 
-
-def telemetry_file(run: RunDir, node: str) -> Path:
-    return run.telemetry_file(node)

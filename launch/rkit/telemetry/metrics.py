@@ -12,13 +12,12 @@ marks steps trained more than once. Readers also accept MaxText's raw lines (run
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rundir import RunDir, read_jsonl
+from ..rundir import JsonlTail, RunDir, read_jsonl
 
 # MaxText's metrics_file keys -> rkit's
 MAXTEXT_KEYS = {"learning/loss": "loss", "perf/step_time_seconds": "step_time",
@@ -138,45 +137,12 @@ def repair_tail(path: Path) -> None:
         return
 
 
-class MetricsTail:
+class MetricsTail(JsonlTail):
     """Follows one metrics file as it grows; remembers the newest step seen."""
 
     def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-        self._partial = b""
+        super().__init__(path)
         self.last: StepMetrics | None = None
-
-    def skip_existing(self) -> None:
-        try:
-            self.offset = self.path.stat().st_size
-        except FileNotFoundError:
-            self.offset = 0
-
-    def poll_raw(self) -> list[dict]:
-        """The whole JSON objects appended since the last poll (a line still being written waits)."""
-        try:
-            with open(self.path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size < self.offset:  # truncated (MaxText empties its file when it starts from step 0)
-                    self.offset, self._partial = 0, b""
-                fh.seek(self.offset)
-                chunk = fh.read()
-                self.offset = fh.tell()
-        except FileNotFoundError:
-            return []
-        data = self._partial + chunk
-        parts = data.split(b"\n")
-        self._partial = parts.pop()
-        out = []
-        for part in parts:
-            try:
-                value = json.loads(part)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                out.append(value)
-        return out
 
     def poll(self) -> list[StepMetrics]:
         out = [m for m in map(from_line, self.poll_raw()) if m is not None]

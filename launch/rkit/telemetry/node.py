@@ -63,10 +63,6 @@ def is_node_leader(launcher: str, environ: Mapping[str, str] | None = None) -> b
     return env.get("RKIT_RANK", "0") == "0"
 
 
-def exporter_file(run: RunDir, node: str) -> Path:
-    return run.exporter_file(node)
-
-
 def start_node_services(run: RunDir, attempt: int, node: str | None = None, node_index: int | None = None, *,
                         environ: Mapping[str, str] | None = None) -> subprocess.Popen | None:
     """Start this node's telemetry process if this process is the node's local rank 0 and the recipe wants a
@@ -124,8 +120,8 @@ def start_exporter(run: RunDir, node: str, index: int, settings: dict[str, Any],
         # this attempt its metrics: any free port, written to exporter.json like any other.
         sys.stderr.write(f"rkit: port {port} on {prom['interface']} is not available; serving on a free port\n")
         exporter = serve(run, interface=prom["interface"], port=0, **scope)
-    exporter_file(run, node).parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(exporter_file(run, node), {
+    run.exporter_file(node).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run.exporter_file(node), {
         "node": node, "node_index": index, "attempt": attempt, "pid": os.getpid(), "host": exporter.host,
         "port": exporter.port, "requested_port": port, "url": exporter.url})
     return exporter
