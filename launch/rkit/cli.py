@@ -79,7 +79,7 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
 
     loaded = load_recipe(recipe, overrides)
     injections = parse_injections(injects, loaded.processes)
-    with live_progress(enabled=not quiet and loaded.resolved["launcher"] == "local",
+    with live_progress(enabled=not quiet and loaded.config.launcher == "local",
                        total=loaded.total_steps) as on_progress:
         run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)
     if state.value == "pending":
@@ -145,7 +145,7 @@ def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool) -
     from .display import live_progress
     from .rundir import RunDir
 
-    total = RunDir(run_dir).load_resolved()["trainer"]["steps"]
+    total = RunDir(run_dir).config().trainer.steps
     with live_progress(enabled=not quiet, total=total) as on_progress:
         new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=on_progress)
     click.echo(run_status.render_status(run_status.status(new_dir)))

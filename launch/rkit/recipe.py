@@ -9,6 +9,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import jsonschema
 import yaml
 
 from .backends.slurm import OWNED_OPTIONS as SLURM_OWNED_OPTIONS
+from .config import Config
 from .defaults import apply_defaults, schema  # noqa: F401
 from .errors import Problem, RecipeError, RkitError
 from .stamp import IDENTITY_KEYS, canonical_json, config_hash, hashed_config, is_secret_name  # noqa: F401
@@ -25,11 +27,16 @@ MAX_RECIPE_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Recipe:
-    """A validated recipe with defaults and overrides applied."""
+    """A validated recipe with defaults and overrides applied: `resolved` is the stamp (resolved.json, the config
+    hash), `config` the typed view the rest of rkit reads."""
 
     source: str
     text: str
     resolved: dict
+
+    @cached_property
+    def config(self) -> Config:
+        return Config.from_resolved(self.resolved)
 
     @property
     def name(self) -> str:
@@ -41,12 +48,11 @@ class Recipe:
 
     @property
     def total_steps(self) -> int:
-        return int(self.resolved["trainer"]["steps"])
+        return int(self.config.trainer.steps)
 
     @property
     def processes(self) -> int:
-        res = self.resolved["resources"]
-        return int(res["nodes"]) * int(res["processes_per_node"])
+        return self.config.processes
 
 
 # ---------------------------------------------------------------- reading YAML

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .config import Config
 from .errors import RkitError
 from .rundir import EV, RunDir, write_atomic
 from .telemetry import goodput, metrics
@@ -39,7 +40,7 @@ class RunFiles:
     rank's metrics file, and the placed lines (goodput.run_lines) that the plots and the goodput share."""
 
     events: list[dict]
-    resolved: dict
+    config: Config
     stamp: dict
     rank_lines: dict[int, list[dict[str, Any]]]  # metrics.lines of every rank, by rank
     placed: list[dict[str, Any]]
@@ -49,17 +50,16 @@ class RunFiles:
         run.require()
         events = run.events()
         rank_lines = {rank: metrics.lines(run, rank) for rank in metrics.ranks(run)}
-        return cls(events=events, resolved=run.load_resolved(), stamp=run.load_manifest(), rank_lines=rank_lines,
+        return cls(events=events, config=run.config(), stamp=run.load_manifest(), rank_lines=rank_lines,
                    placed=goodput.run_lines(run, events, every_rank=rank_lines))
 
 
-def plot_series(run: RunDir, events: list[dict] | None = None, *, resolved: dict | None = None,
+def plot_series(run: RunDir, events: list[dict] | None = None, *, config: Config | None = None,
                 lines: list[dict[str, Any]] | None = None) -> Series:
-    """`events`, `resolved`, `lines` (goodput.run_lines): what the caller has read already."""
+    """`events`, `config`, `lines` (goodput.run_lines): what the caller has read already."""
     events = run.events() if events is None else events
-    resolved = run.load_resolved() if resolved is None else resolved
-    res = resolved.get("resources", {})
-    processes = int(res.get("nodes", 1)) * int(res.get("processes_per_node", 1))
+    config = run.config() if config is None else config
+    processes = config.processes
     series = Series()
     lines = goodput.run_lines(run, events) if lines is None else lines
     reference: dict[int, Any] = {}
@@ -171,12 +171,12 @@ def summary(run: RunDir, files: RunFiles | None = None) -> dict[str, Any]:
     from . import status
 
     files = RunFiles.read(run) if files is None else files
-    events, stamp, resolved = files.events, files.stamp, files.resolved
-    s = status.status(run, events=events, resolved=resolved, stamp=stamp, rank_lines=files.rank_lines,
+    events, stamp, config = files.events, files.stamp, files.config
+    s = status.status(run, events=events, config=config, stamp=stamp, rank_lines=files.rank_lines,
                       placed=files.placed)
     start = next((e["t"] for e in events if isinstance(e.get("t"), (int, float))), None)
     image = stamp.get("image") or {}
-    factor = float((resolved.get("observability") or {}).get("straggler_factor", 1.5))
+    factor = float(config.observability.straggler_factor)
     every_rank = [line for rank in sorted(files.rank_lines) for line in files.rank_lines[rank]]
     found = find_stragglers(goodput.place_lines(events, every_rank), factor)
     faults = [{"at": _since(e["t"], start), "event": e["event"], "detail": _fields(e)}
@@ -295,7 +295,7 @@ def write_report(run: RunDir, out: Path | None = None) -> list[Path]:
     except OSError as exc:
         raise RkitError(f"{out}: cannot create the report directory: {exc.strerror}.") from None
     files = RunFiles.read(run)
-    series = plot_series(run, files.events, resolved=files.resolved, lines=files.placed)
+    series = plot_series(run, files.events, config=files.config, lines=files.placed)
     d = summary(run, files)
     written = []
     for key in PLOTS:

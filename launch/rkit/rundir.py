@@ -9,9 +9,12 @@ import socket
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import RkitError
+
+if TYPE_CHECKING:
+    from .config import Config
 
 EVENTS = "events.jsonl"
 LOCK = ".lock"
@@ -228,6 +231,12 @@ class RunDir:
 
     def load_resolved(self) -> dict:
         return json.loads(self.require().resolved.read_text(encoding="utf-8"))
+
+    def config(self) -> Config:
+        """The typed view of resolved.json."""
+        from .config import Config
+
+        return Config.from_resolved(self.load_resolved())
 
     def load_manifest(self) -> dict:
         try:

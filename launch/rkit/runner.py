@@ -14,6 +14,7 @@ import yaml
 
 from . import __version__, manifest
 from .backends.local import Container, LocalBackend
+from .config import Config
 from .errors import RkitError
 from .image import ImageIdentity, apptainer, identify, locate, sha256_file
 from .image import resolve as resolve_image
@@ -26,7 +27,7 @@ from .supervisor import Supervisor, default_jax_cache_dir
 
 
 def run_path(recipe: Recipe) -> RunDir:
-    return RunDir(Path(recipe.resolved["runs_dir"]) / recipe.name)
+    return RunDir(Path(recipe.config.runs_dir) / recipe.name)
 
 
 @contextmanager
@@ -78,14 +79,14 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
                 "recipe_source": str(Path(recipe.source).resolve())},
         "config_hash": recipe.config_hash,
         "hashed_config": hashed_config(recipe.resolved),
-        "image": image.as_dict() if image else {"kind": "none", "reference": recipe.resolved["image"]},
-        "launcher": recipe.resolved["launcher"],
+        "image": image.as_dict() if image else {"kind": "none", "reference": recipe.config.image},
+        "launcher": recipe.config.launcher,
         "injections": [i.as_dict() for i in injections],
         "host": host,
         **extra,
     }
     write_json_atomic(run.manifest, stamp_data)
-    run.emit("run.submitted", name=recipe.name, config_hash=recipe.config_hash, launcher=recipe.resolved["launcher"],
+    run.emit("run.submitted", name=recipe.name, config_hash=recipe.config_hash, launcher=recipe.config.launcher,
              injections=[i.spec for i in injections], total_steps=recipe.total_steps)
 
 
@@ -116,7 +117,7 @@ def training_env(recipe: Recipe, image: ImageIdentity | None, host: dict[str, st
     """The environment of each training process: the recipe's env on top of the host's. In a container
     (--cleanenv) only the variables that shape training (XLA_*, JAX_*, ...) and secrets such as HF_TOKEN
     are carried in; without one, the whole host environment is inherited."""
-    extra = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in recipe.resolved["env"].items()}
+    extra = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in recipe.config.env.items()}
     if image is not None:
         carried = {k: v for k, v in host.items() if k.startswith(manifest.ENV_PREFIXES) or is_secret_name(k)}
         return {**carried, **extra}
@@ -131,8 +132,8 @@ def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection],
                on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
     """`rkit run`: resolve the image (a missing apptainer or image fails here, before anything exists), then run
     here (local) or submit the batch job (slurm)."""
-    image = resolve_image(recipe.resolved["image"])
-    if recipe.resolved["launcher"] == "slurm":
+    image = resolve_image(recipe.config.image)
+    if recipe.config.launcher == "slurm":
         return submit_slurm(recipe, image=image, resume=resume, injections=injections), RunState.PENDING
     return execute(recipe, image=image, resume=resume, injections=injections, on_progress=on_progress)
 
@@ -142,15 +143,15 @@ def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
     """Stamp the run, render the batch script into it and submit it; the job's `rkit supervise` does the rest."""
     from .backends import slurm
 
-    python = recipe.resolved["slurm"]["python"] or sys.executable
+    python = recipe.config.slurm.python or sys.executable
     if image is not None:
-        slurm.check_container_launch(recipe.resolved["slurm"]["container_launch"])
+        slurm.check_container_launch(recipe.config.slurm.container_launch)
     with open_run(recipe, resume=resume, injections=injections, image=image) as (run, _lock):
         live = slurm_job(run)
         if live and slurm.job_state(live):
             raise RkitError(f"{run.path}: already submitted as Slurm job {live} "
                             f"({slurm.job_state(live)['state']}); follow it with `rkit status {run.path}`.")
-        request = slurm.render_batch(run, recipe.resolved, python)
+        request = slurm.render_batch(run, recipe.config, python)
         job_id = slurm.submit(request)
         run.emit("job.submitted", job_id=job_id, argv=request.argv, script=str(request.script_path),
                  injections=[i.as_dict() for i in injections])
@@ -181,10 +182,11 @@ def supervise(run_path: Path) -> RunState:
         image = ImageIdentity(**fields)
     jax_cache = default_jax_cache_dir()
     Path(jax_cache).mkdir(parents=True, exist_ok=True)
-    res = resolved["resources"]
+    config = Config.from_resolved(resolved)
+    res = config.resources
     backend = slurm.SlurmStepBackend(
-        nodes_per_step=res["nodes"], tasks_per_node=res["processes_per_node"],
-        container_launch=resolved["slurm"]["container_launch"], sif=image.path if image else None,
+        nodes_per_step=res.nodes, tasks_per_node=res.processes_per_node,
+        container_launch=config.slurm.container_launch, sif=image.path if image else None,
         binds=(str(run.path.resolve()), jax_cache), gpu_flags=tuple(image.gpu_flags) if image else (),
         python=sys.executable, exclude=tuple(excluded))
     lock = _acquire_with_patience(run)
@@ -192,7 +194,7 @@ def supervise(run_path: Path) -> RunState:
         run.emit("job.started", job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                  batch_host=manifest.socket.gethostname(), allocation=backend.allocation(), excluded=excluded)
         recipe = Recipe(source=str(run.resolved), text="", resolved=resolved)
-        supervisor = Supervisor(run=run, resolved=resolved, injections=injections, backend=backend,
+        supervisor = Supervisor(run=run, config=config, injections=injections, backend=backend,
                                 base_env=training_env(recipe, image, dict(os.environ)), host_env=dict(os.environ),
                                 image=image, jax_cache_dir=jax_cache)
         supervisor.install_signal_handlers()
@@ -242,7 +244,7 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
     expected = stamp.get("image", {}).get("sha256")
     extra: dict = {"reproduced_from": {"run": str(src.path.resolve()), "config_hash": stamp.get("config_hash"),
                                        "image_sha256": expected, "git": stamp.get("host", {}).get("git")}}
-    path = locate(recipe.resolved["image"], want_sha256=expected)
+    path = locate(recipe.config.image, want_sha256=expected)
     image = None
     if path is not None:
         found = sha256_file(path)
@@ -252,7 +254,7 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
                                 f"found {found} ({path}). Restore that image, or pass --allow-drift to run anyway "
                                 "(the drift is recorded in the new manifest).")
             extra["drift"] = {"image": {"expected": expected, "found": found, "path": str(path)}}
-        image = identify(recipe.resolved["image"], path, found)
+        image = identify(recipe.config.image, path, found)
     return execute(recipe, image=image, resume=False, injections=[], on_progress=on_progress, extra_stamp=extra)
 
 
@@ -277,7 +279,7 @@ def execute(recipe: Recipe, *, image: ImageIdentity | None, resume: bool, inject
             Path(jax_cache).mkdir(parents=True, exist_ok=True)
             container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
                                   binds=(str(run.path.resolve()), jax_cache))
-        supervisor = Supervisor(run=run, resolved=recipe.resolved, injections=injections,
+        supervisor = Supervisor(run=run, config=recipe.config, injections=injections,
                                 backend=LocalBackend(container=container), base_env=training_env(recipe, image, host),
                                 host_env=host, image=image, jax_cache_dir=jax_cache, on_progress=on_progress)
         supervisor.install_signal_handlers()

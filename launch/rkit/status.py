@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .config import Config
 from .policy import FINAL_EVENTS, RunState
 from .rundir import EV, RunDir, last_jsonl
 from .telemetry import goodput, metrics
@@ -74,20 +75,20 @@ def attempts(events: list[dict]) -> list[dict[str, Any]]:
     return [table[n] for n in sorted(table)]
 
 
-def status(run: RunDir, *, events: list[dict] | None = None, resolved: dict | None = None, stamp: dict | None = None,
+def status(run: RunDir, *, events: list[dict] | None = None, config: Config | None = None, stamp: dict | None = None,
            rank_lines: dict[int, list[dict[str, Any]]] | None = None,
            placed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The run's state as plain data. The keywords are what a caller has read already (`rkit report` reads each
-    file once): events (run.events()), resolved (run.load_resolved()), stamp (run.load_manifest()), rank_lines
+    file once): events (run.events()), config (run.config()), stamp (run.load_manifest()), rank_lines
     (metrics.lines of every rank, by rank) and placed (goodput.run_lines)."""
     run.require()
-    resolved = run.load_resolved() if resolved is None else resolved
+    config = run.config() if config is None else config
     stamp = run.load_manifest() if stamp is None else stamp
     events = run.events() if events is None else events
     slurm = slurm_info(events)
     state, reason = run_state(run, events, slurm)
-    total = int(resolved["trainer"]["steps"])
-    processes = resolved["resources"]["nodes"] * resolved["resources"]["processes_per_node"]
+    total = int(config.trainer.steps)
+    processes = config.processes
     # read once: the merged view and the goodput both need it
     rank0 = metrics.lines(run, 0) if rank_lines is None else rank_lines.get(0, [])
     steps = list(metrics.merge(rank0).values())
@@ -106,7 +107,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, resolved: dict | No
     if placed is None:
         placed = goodput.run_lines(run, events, rank0, every_rank=rank_lines)
     lost = goodput.compute(events, placed,
-                           checkpoint_period=(resolved.get("checkpoint") or {}).get("period"), now=now)
+                           checkpoint_period=config.checkpoint.period, now=now)
     table = attempts(events)
     return {
         "name": run.name,
@@ -117,7 +118,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, resolved: dict | No
         "step": current,
         "total_steps": total,
         "last_committed_step": committed,
-        "final_step_committed": committed is not None and committed >= maxtext.final_step(resolved),
+        "final_step_committed": committed is not None and committed >= config.trainer.final_step,
         "loss": final_loss,
         "tokens_per_sec": statistics.median(tps) * processes if tps else None,
         "step_time_seconds": step_time,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backends.base import Backend, Handle, NotEnoughNodes, RankExit
+from .config import Config
 from .errors import RkitError
 from .image import ImageIdentity
 from .inject import Injection, pending
@@ -44,7 +45,7 @@ from .watchdog import HangPolicy, HangWatch
 @dataclass
 class Supervisor:
     run: RunDir
-    resolved: dict
+    config: Config
     injections: list[Injection]
     backend: Backend
     base_env: dict[str, str]
@@ -78,22 +79,21 @@ class Supervisor:
 
     @property
     def processes(self) -> int:
-        res = self.resolved["resources"]
-        return res["nodes"] * res["processes_per_node"]
+        return self.config.processes
 
     def final_committed(self) -> bool:
         latest = maxtext.latest_committed_step(self.run)
-        return latest is not None and latest >= maxtext.final_step(self.resolved)
+        return latest is not None and latest >= self.config.trainer.final_step
 
     def next_attempt_number(self) -> int:
         return max(self.run.attempt_numbers(), default=0) + 1
 
     def run_to_end(self) -> RunState:
-        r = self.resolved["resilience"]
-        budgets = Budgets(r["max_restarts"], r["max_infra_restarts"], r["crash_loop_limit"])
+        r = self.config.resilience
+        budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit)
         events = self.run.events()
         tally = tally_from_events(events)
-        progress = Progress(total_steps=int(self.resolved["trainer"]["steps"]))
+        progress = Progress(total_steps=int(self.config.trainer.steps))
         progress.committed = maxtext.latest_committed_step(self.run)
         if self.final_committed():
             self.run.emit(EV.RUN_FINISHED, reason="the final step was already committed; nothing to run",
@@ -179,9 +179,9 @@ class Supervisor:
 
         env = dict(self.base_env)
         env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
-                    "RKIT_BASE_CONFIG": self.resolved["trainer"]["base_config"],
+                    "RKIT_BASE_CONFIG": self.config.trainer.base_config,
                     "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer])})
-        args = maxtext.maxtext_overrides(self.resolved, self.run, self.jax_cache_dir)
+        args = maxtext.maxtext_overrides(self.config, self.run, self.jax_cache_dir)
         try:
             request = self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args,
                                            base_env=env, attempt_dir=attempt_dir, cwd=Path.cwd(),
@@ -256,7 +256,7 @@ class Supervisor:
             inject_sigterm=(sigterm_at.spec if sigterm_at is not None and step is not None
                             and step >= sigterm_at.step else None),
             hang=hang, stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
-            final_step=maxtext.final_step(self.resolved),
+            final_step=self.config.trainer.final_step,
             final_committed=everyone_exited and not failed and self.final_committed())
 
     def _end(self, ending: Ending, observed: Observation, handle: Handle, attempt: int, nodes: list[str],
@@ -313,14 +313,14 @@ class Supervisor:
         exclude = self.backend.exclude
         exclude.extend(n for n in nodes if n not in exclude)
         healthy = self.backend.healthy_nodes()
-        needed = self.resolved["resources"]["nodes"]
+        needed = self.config.resources.nodes
         self.run.emit(EV.NODES_EXCLUDED, nodes=nodes, excluded=list(exclude), healthy=healthy,
                       reason="implicated in a node failure")
         return len(healthy) < needed
 
     @property
     def _grace(self) -> float:
-        return float(self.resolved["resilience"]["signal_grace_seconds"])
+        return float(self.config.resilience.signal_grace_seconds)
 
 
 HANG_GRACE_SECONDS = 10.0
@@ -339,9 +339,9 @@ class AttemptWatch:
 
     def __post_init__(self) -> None:
         sup = self.sup
-        self.hang = HangWatch(HangPolicy.from_resolved(sup.resolved), ranks=list(self.tails), started=sup.clock(),
+        self.hang = HangWatch(HangPolicy.from_config(sup.config), ranks=list(self.tails), started=sup.clock(),
                               step_times=sup._step_times)
-        factor = float(sup.resolved["observability"]["straggler_factor"])
+        factor = float(sup.config.observability.straggler_factor)
         self.stragglers = StragglerWatch(sup.run, self.attempt, factor, sup.clock)
 
     def read(self) -> None:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import Config
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,12 @@ class HangPolicy:
     checkpoint_period: int
 
     @classmethod
-    def from_resolved(cls, resolved: dict) -> HangPolicy:
-        r = resolved["resilience"]  # defaults come from the schema, as for Budgets
-        value = r["hang_timeout"]
+    def from_config(cls, config: Config) -> HangPolicy:
+        r = config.resilience  # defaults come from the schema, as for Budgets
+        value = r.hang_timeout
         return cls(explicit=None if value in ("auto", None) else float(value), enabled=value is not None,
-                   floor=float(r["hang_floor_seconds"]), factor=float(r["hang_factor"]),
-                   startup=float(r["hang_startup_seconds"]), checkpoint_period=int(resolved["checkpoint"]["period"]))
+                   floor=float(r.hang_floor_seconds), factor=float(r.hang_factor),
+                   startup=float(r.hang_startup_seconds), checkpoint_period=int(config.checkpoint.period))
 
 
 @dataclass(frozen=True)

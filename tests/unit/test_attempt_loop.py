@@ -177,7 +177,7 @@ def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3
     backend = FakeBackend(run, ref, script, nodes=nodes)
     missing = [m for m in vars(Backend) if not m.startswith("_") and not hasattr(backend, m)]
     assert not missing, f"the fake backend lacks {missing} of the Backend protocol"
-    sup = Supervisor(run=run, resolved=recipe.resolved, injections=[], backend=backend, base_env={},
+    sup = Supervisor(run=run, config=recipe.config, injections=[], backend=backend, base_env={},
                      jax_cache_dir=str(tmp_path / "jax"), poll_seconds=0, clock=Clock())
     ref.append(sup)
     return sup, backend

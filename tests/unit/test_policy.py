@@ -156,7 +156,7 @@ def test_an_attempt_without_an_end_is_found_as_lost(tmp_path, monkeypatch):
     from ..conftest import TINY
 
     run = RunDir(tmp_path / "run 1")
-    sup = Supervisor(run=run, resolved=load_recipe(TINY).resolved, injections=[], backend=None, base_env={},
+    sup = Supervisor(run=run, config=load_recipe(TINY).config, injections=[], backend=None, base_env={},
                      jax_cache_dir=str(tmp_path))
     run.emit("attempt.started", attempt=1, resume_from_step=None)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")

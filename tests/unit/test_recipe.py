@@ -174,3 +174,21 @@ def test_binary_and_huge_files(tmp_path: Path):
     latin.write_bytes("name: caf\xe9\n".encode("latin-1"))
     with pytest.raises(RecipeError, match="UTF-8"):
         load_recipe(latin)
+
+
+def test_the_typed_view_reads_every_section_of_every_shipped_recipe():
+    from rkit.config import Config
+
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        recipe = load_recipe(path)
+        config = recipe.config
+        assert config.trainer.steps == recipe.resolved["trainer"]["steps"] and config.trainer.final_step == \
+            recipe.resolved["trainer"]["steps"] - 1
+        assert config.checkpoint.asynchronous is recipe.resolved["checkpoint"]["async"]
+        assert config.processes == recipe.processes and config.slurm.extra_sbatch == \
+            tuple(recipe.resolved["slurm"]["extra_sbatch"])
+        assert config.observability.prometheus.port == recipe.resolved["observability"]["prometheus"]["port"]
+    # A run stamped before a section existed: the schema's defaults fill it in.
+    old = {k: v for k, v in load_recipe(TINY).resolved.items() if k not in ("observability", "slurm")}
+    config = Config.from_resolved(old)
+    assert config.observability.straggler_factor == 1.5 and config.slurm.container_launch

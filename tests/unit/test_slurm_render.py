@@ -23,7 +23,7 @@ HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "x;touc
 
 def render(run_path: Path, *overrides: str):
     recipe = load_recipe(RECIPE, list(overrides))
-    return render_batch(RunDir(run_path), recipe.resolved, python="/opt/py/bin/python3")
+    return render_batch(RunDir(run_path), recipe.config, python="/opt/py/bin/python3")
 
 
 def test_golden_batch_script_and_argv():
@@ -50,13 +50,13 @@ def test_golden_batch_script_and_argv():
       "--ntasks-per-node=1", "--no-kill"]),
 ])
 def test_every_option_maps_to_one_argv_item(overrides, expected):
-    assert sbatch_options(load_recipe(RECIPE, overrides).resolved) == expected
+    assert sbatch_options(load_recipe(RECIPE, overrides).config) == expected
 
 
 def test_extra_sbatch_options_are_validated():
     recipe = load_recipe(RECIPE)
     recipe.resolved["slurm"]["extra_sbatch"] = ["--mail-type=END", "--constraint=mi300x&ib"]
-    assert sbatch_options(recipe.resolved)[-2:] == ["--mail-type=END", "--constraint=mi300x&ib"]
+    assert sbatch_options(recipe.config)[-2:] == ["--mail-type=END", "--constraint=mi300x&ib"]
     text = RECIPE.read_text().replace("  container_launch: oci", "  container_launch: oci\n  extra_sbatch: "
                                       "['--requeue', 'rm -rf /', \"--x=a\\nb\", '--wrap=id']")
     with pytest.raises(RecipeError) as err:
@@ -84,7 +84,7 @@ def test_hostile_run_paths_are_quoted_never_executed(tmp_path: Path, name: str):
     """Run the rendered script with /bin/echo as the Python: it must print the path verbatim, run nothing."""
     run_path = tmp_path / name / "runs" / "x"
     recipe = load_recipe(RECIPE)
-    request = render_batch(RunDir(run_path), recipe.resolved, python="/bin/echo")
+    request = render_batch(RunDir(run_path), recipe.config, python="/bin/echo")
     script = tmp_path / "job.sbatch"
     script.write_text(request.script)
     done = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, check=True)

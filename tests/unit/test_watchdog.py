@@ -17,14 +17,14 @@ def policy(**kw) -> HangPolicy:
 
 
 def test_defaults_come_from_the_schema():
-    p = HangPolicy.from_resolved(load_recipe(TINY).resolved)
+    p = HangPolicy.from_config(load_recipe(TINY).config)
     assert (p.explicit, p.enabled, p.floor, p.factor, p.startup, p.checkpoint_period) == (None, True, 60, 10, 600, 10)
 
 
 @pytest.mark.parametrize("value, explicit, enabled", [("auto", None, True), (15, 15.0, True), (None, None, False)])
 def test_hang_timeout_values(value, explicit, enabled):
-    resolved = load_recipe(TINY, overrides=[f"resilience.hang_timeout={'null' if value is None else value}"]).resolved
-    p = HangPolicy.from_resolved(resolved)
+    config = load_recipe(TINY, overrides=[f"resilience.hang_timeout={'null' if value is None else value}"]).config
+    p = HangPolicy.from_config(config)
     assert (p.explicit, p.enabled) == (explicit, enabled)
 
 

@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import Config
 from ..errors import RkitError
 from ..rundir import RunDir
 from .base import Handle, NotEnoughNodes, RankExit
@@ -46,32 +47,32 @@ class BatchRequest:
         return shlex.join(self.argv)
 
 
-def sbatch_options(resolved: dict) -> list[str]:
+def sbatch_options(config: Config) -> list[str]:
     """Every option from the recipe, one argv item each."""
-    slurm = resolved["slurm"]
-    res = resolved["resources"]
-    opts = ["--parsable", "--requeue", f"--signal=B:USR1@{slurm['signal_lead_seconds']}",
-            f"--job-name={resolved['name']}", f"--nodes={res['nodes'] + slurm['spare_nodes']}",
-            f"--ntasks-per-node={res['processes_per_node']}"]
-    for key, flag in (("partition", "--partition"), ("account", "--account"), ("qos", "--qos"), ("time", "--time")):
-        if slurm.get(key) is not None:
-            opts.append(f"{flag}={slurm[key]}")
-    if slurm["gpus_per_node"]:
-        opts.append(f"--gpus-per-node={slurm['gpus_per_node']}")
-    if slurm["exclusive"]:
+    slurm, res = config.slurm, config.resources
+    opts = ["--parsable", "--requeue", f"--signal=B:USR1@{slurm.signal_lead_seconds}",
+            f"--job-name={config.name}", f"--nodes={res.nodes + slurm.spare_nodes}",
+            f"--ntasks-per-node={res.processes_per_node}"]
+    for value, flag in ((slurm.partition, "--partition"), (slurm.account, "--account"), (slurm.qos, "--qos"),
+                        (slurm.time, "--time")):
+        if value is not None:
+            opts.append(f"{flag}={value}")
+    if slurm.gpus_per_node:
+        opts.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    if slurm.exclusive:
         opts.append("--exclusive")
-    if slurm["spare_nodes"]:
+    if slurm.spare_nodes:
         # A dead node must not end the job when a spare can replace it: the supervisor excludes it instead.
         opts.append("--no-kill")
-    opts.extend(slurm["extra_sbatch"])
+    opts.extend(slurm.extra_sbatch)
     return opts
 
 
-def render_batch(run: RunDir, resolved: dict, python: str, sbatch: str = "sbatch") -> BatchRequest:
+def render_batch(run: RunDir, config: Config, python: str, sbatch: str = "sbatch") -> BatchRequest:
     """The batch script runs `rkit supervise RUN` with the given Python; everything else is sbatch argv."""
     run_path = run.path.resolve()
     log = run_path / "slurm-%j.out"
-    argv = [sbatch, *sbatch_options(resolved), "--open-mode=append", f"--output={log}", f"--chdir={run_path}",
+    argv = [sbatch, *sbatch_options(config), "--open-mode=append", f"--output={log}", f"--chdir={run_path}",
             str(run_path / BATCH_SCRIPT)]
     script = "\n".join([
         "#!/bin/bash",

@@ -98,10 +98,10 @@ def run_goodput(run: RunDir, now: float | None = None, *, events: list[dict] | N
                 lines: list[dict[str, Any]] | None = None) -> Goodput:
     """Goodput of a run directory; pass `now` while the run is live (its open session ends now). `events`
     (run.events()) and `lines` (run_lines): what the caller has read already, so that no file is read twice."""
-    resolved = run.load_resolved()
+    period = run.config().checkpoint.period
     events = run.events() if events is None else events
     lines = run_lines(run, events) if lines is None else lines
-    return compute(events, lines, checkpoint_period=(resolved.get("checkpoint") or {}).get("period"), now=now)
+    return compute(events, lines, checkpoint_period=period, now=now)
 
 
 def run_lines(run: RunDir, events: list[dict], rank0: list[dict[str, Any]] | None = None,

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..config import Observability
 from ..errors import RkitError
 from ..rundir import RunDir, write_json_atomic
 
@@ -33,14 +34,10 @@ NICENESS = 10
 PARENT_POLL_SECONDS = 1.0
 
 
-def observability_settings(run: RunDir) -> dict[str, Any]:
+def observability_settings(run: RunDir) -> Observability:
     """The run's `observability` section with the schema's defaults (a run stamped before it existed gets them
     all)."""
-    from ..defaults import apply_defaults, schema
-
-    settings = dict(run.load_resolved().get("observability") or {})
-    apply_defaults(settings, schema()["properties"]["observability"])
-    return settings
+    return run.config().observability
 
 
 def node_name(environ: Mapping[str, str] | None = None) -> str:
@@ -69,15 +66,12 @@ def start_node_services(run: RunDir, attempt: int, node: str | None = None, node
     sampler or an exporter; None otherwise. Never raises: telemetry must not stop training."""
     env = os.environ if environ is None else environ
     try:
-        resolved = run.load_resolved()
-        launcher = str(resolved.get("launcher", "local"))
+        config = run.config()  # the schema's defaults without the recipe loader (and its jsonschema import)
+        launcher = config.launcher
         if not is_node_leader(launcher, env):
             return None
-        # resolved.json has the schema's defaults filled in; the recipe loader (and its jsonschema import) is not
-        # needed here, on the trainer's start-up path. A run stamped before `observability` existed gets the
-        # defaults in the child.
-        obs = resolved.get("observability") or {}
-        if obs.get("telemetry_interval_seconds") == 0 and (obs.get("prometheus") or {}).get("enabled") is False:
+        obs = config.observability
+        if obs.telemetry_interval_seconds == 0 and not obs.prometheus.enabled:
             return None
         node = node or node_name(env)
         index = node_index_from_env(launcher, env) if node_index is None else node_index
@@ -105,21 +99,21 @@ def die_with_parent(parent_pid: int) -> None:
         sys.exit(0)
 
 
-def start_exporter(run: RunDir, node: str, index: int, settings: dict[str, Any], attempt: int) -> Any:
+def start_exporter(run: RunDir, node: str, index: int, settings: Observability, attempt: int) -> Any:
     from .exporter import serve
 
-    prom = settings["prometheus"]
-    port = prom["port"] + index if prom["port"] and prom["port"] + index <= 65535 else 0
+    prom = settings.prometheus
+    port = prom.port + index if prom.port and prom.port + index <= 65535 else 0
     scope = {"nodes": [node], "training": index == 0, "events": index == 0}
     try:
-        exporter = serve(run, interface=prom["interface"], port=port, **scope)
+        exporter = serve(run, interface=prom.interface, port=port, **scope)
     except RkitError:
         if not port:
             raise
         # A busy port (another run on this node, a previous attempt's exporter not yet gone) must not cost
         # this attempt its metrics: any free port, written to exporter.json like any other.
-        sys.stderr.write(f"rkit: port {port} on {prom['interface']} is not available; serving on a free port\n")
-        exporter = serve(run, interface=prom["interface"], port=0, **scope)
+        sys.stderr.write(f"rkit: port {port} on {prom.interface} is not available; serving on a free port\n")
+        exporter = serve(run, interface=prom.interface, port=0, **scope)
     run.exporter_file(node).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run.exporter_file(node), {
         "node": node, "node_index": index, "attempt": attempt, "pid": os.getpid(), "host": exporter.host,
@@ -148,19 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(args.run)
     settings = observability_settings(run)
     exporter = None
-    if settings["prometheus"]["enabled"]:
+    if settings.prometheus.enabled:
         try:
             exporter = start_exporter(run, args.node, args.node_index, settings, args.attempt)
         except Exception as exc:  # noqa: BLE001 - e.g. no prometheus_client in this image: sample anyway
             sys.stderr.write(f"rkit: warning: no Prometheus exporter on {args.node}: {exc}\n")
     sampler_thread = None
-    if settings["telemetry_interval_seconds"]:
+    if settings.telemetry_interval_seconds:
         from .health import HealthSampler
 
         sampler = HealthSampler(run, attempt=args.attempt, node=args.node,
-                                disk_low_fraction=settings["disk_low_fraction"])
+                                disk_low_fraction=settings.disk_low_fraction)
         sampler_thread = threading.Thread(target=sampler.run_forever, name="rkit-health", daemon=True,
-                                          args=(float(settings["telemetry_interval_seconds"]), stop))
+                                          args=(float(settings.telemetry_interval_seconds), stop))
         sampler_thread.start()
 
     if exporter is None and sampler_thread is None:

@@ -9,10 +9,13 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RkitError
 from ..rundir import RunDir
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 MODULE = "maxtext.trainers.pre_train.train"
 TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -41,24 +44,23 @@ def _render(value: Any) -> str:
     return str(value)
 
 
-def maxtext_overrides(resolved: dict, run: RunDir, jax_cache_dir: str) -> list[str]:
+def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str) -> list[str]:
     """MaxText key=value arguments, the same for every rank: the recipe's overrides, then the settings rkit
     owns. Each rank's agent adds its own `metrics_file` (see `rank_overrides`)."""
-    trainer = resolved["trainer"]
-    ckpt = resolved["checkpoint"]
-    args = [f"{k}={_render(v)}" for k, v in sorted(trainer.get("overrides", {}).items()) if v is not None]
+    ckpt = config.checkpoint
+    args = [f"{k}={_render(v)}" for k, v in sorted((config.trainer.overrides or {}).items()) if v is not None]
     owned = {
-        "steps": trainer["steps"],
+        "steps": config.trainer.steps,
         "base_output_directory": str(run.maxtext_base.resolve()),
         "run_name": run.maxtext_run_name,
         "enable_checkpointing": True,
-        "checkpoint_period": ckpt["period"],
-        "async_checkpointing": ckpt["async"],
+        "checkpoint_period": ckpt.period,
+        "async_checkpointing": ckpt.asynchronous,
         "jax_cache_dir": jax_cache_dir,
     }
-    if ckpt.get("keep"):
-        owned["max_num_checkpoints_to_keep"] = ckpt["keep"]
-    if resolved["resources"]["nodes"] * resolved["resources"]["processes_per_node"] == 1:
+    if ckpt.keep:
+        owned["max_num_checkpoints_to_keep"] = ckpt.keep
+    if config.processes == 1:
         owned["skip_jax_distributed_system"] = True
     args.extend(f"{k}={_render(v)}" for k, v in owned.items())
     return args
@@ -68,11 +70,6 @@ def rank_overrides(run: RunDir, attempt: int, rank: int) -> list[str]:
     """The per-process part: MaxText's metrics file, one per rank and attempt (two ranks writing one file lose
     lines; MaxText truncates it when it starts from step 0). The agent turns it into metrics/<rank>.jsonl."""
     return [f"metrics_file={run.maxtext_metrics_file(attempt, rank).resolve()}"]
-
-
-def final_step(resolved: dict) -> int:
-    """MaxText trains steps 0..steps-1 and saves the last one: the run is done when it is committed."""
-    return int(resolved["trainer"]["steps"]) - 1
 
 
 def committed_steps(run: RunDir) -> list[int]:

@@ -1,0 +1,125 @@
+"""The typed view of a resolved recipe: built once after validation (or from a run's resolved.json), read by
+attribute everywhere else. The dict stays the stamp (resolved.json, the config hash); this is how code reads it.
+
+Imports nothing of rkit but the schema's defaults: the agent side (inside an image) reads it too.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .defaults import apply_defaults, schema
+
+
+@dataclass(frozen=True)
+class Trainer:
+    kind: str
+    base_config: str
+    steps: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_step(self) -> int:
+        """MaxText trains steps 0..steps-1 and saves the last one: the run is done when it is committed."""
+        return int(self.steps) - 1
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: int
+    processes_per_node: int
+
+    @property
+    def processes(self) -> int:
+        return int(self.nodes) * int(self.processes_per_node)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    period: int
+    keep: int | None
+    asynchronous: bool  # the recipe's `async`
+
+
+@dataclass(frozen=True)
+class Resilience:
+    max_restarts: int
+    max_infra_restarts: int
+    crash_loop_limit: int
+    signal_grace_seconds: float
+    hang_timeout: float | str | None  # seconds, "auto", or None (off)
+    hang_floor_seconds: float
+    hang_factor: float
+    hang_startup_seconds: float
+
+
+@dataclass(frozen=True)
+class Prometheus:
+    enabled: bool
+    interface: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Observability:
+    telemetry_interval_seconds: float
+    disk_low_fraction: float
+    prometheus: Prometheus
+    straggler_factor: float
+
+
+@dataclass(frozen=True)
+class Slurm:
+    partition: str | None
+    account: str | None
+    qos: str | None
+    time: str | None
+    gpus_per_node: int
+    spare_nodes: int
+    exclusive: bool
+    extra_sbatch: tuple[str, ...]
+    signal_lead_seconds: int
+    container_launch: str
+    python: str | None
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    runs_dir: str
+    image: str
+    launcher: str
+    trainer: Trainer
+    resources: Resources
+    checkpoint: Checkpoint
+    resilience: Resilience
+    observability: Observability
+    slurm: Slurm
+    env: dict[str, Any]
+
+    @property
+    def processes(self) -> int:
+        return self.resources.processes
+
+    @classmethod
+    def from_resolved(cls, resolved: dict) -> Config:
+        """From a validated recipe's resolved dict; a run stamped before a section existed gets its defaults (a key
+        without a default, absent from a hand-made file, reads None)."""
+        data = copy.deepcopy(resolved)
+        for key in ("trainer", "resources", "checkpoint", "resilience", "observability", "slurm", "env"):
+            data[key] = data.get(key) if isinstance(data.get(key), dict) else {}
+        apply_defaults(data, schema())
+        data["checkpoint"]["asynchronous"] = data["checkpoint"].pop("async", None)
+        data["slurm"]["extra_sbatch"] = tuple(data["slurm"].get("extra_sbatch") or ())
+        data["observability"]["prometheus"] = _build(Prometheus, data["observability"].get("prometheus") or {})
+        sections = {"trainer": Trainer, "resources": Resources, "checkpoint": Checkpoint, "resilience": Resilience,
+                    "observability": Observability, "slurm": Slurm}
+        for key, section in sections.items():
+            data[key] = _build(section, data[key])
+        return _build(cls, data)
+
+
+def _build(cls: type, data: dict) -> Any:
+    return cls(**{f.name: data.get(f.name) for f in fields(cls)})
