@@ -28,6 +28,7 @@ class HangPolicy:
     factor: float
     startup: float
     checkpoint_period: int
+    final_step: int | None = None  # after it: the final save and the shutdown (jax.distributed's barrier)
 
     @classmethod
     def from_config(cls, config: Config) -> HangPolicy:
@@ -35,7 +36,8 @@ class HangPolicy:
         value = r.hang_timeout
         return cls(explicit=None if value in ("auto", None) else float(value), enabled=value is not None,
                    floor=float(r.hang_floor_seconds), factor=float(r.hang_factor),
-                   startup=float(r.hang_startup_seconds), checkpoint_period=int(config.checkpoint.period))
+                   startup=float(r.hang_startup_seconds), checkpoint_period=int(config.checkpoint.period),
+                   final_step=config.trainer.final_step)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,11 @@ class HangWatch:
         period = self.policy.checkpoint_period
         if self.policy.explicit is None and period > 0 and (step + 1) % period in (0, 1):
             base *= 2
+        # The last line comes after the last step, its synchronous save and the shutdown barrier: the start-up
+        # allowance there, not a step's (a loaded machine took over 10 s for it).
+        final = self.policy.final_step
+        if final is not None and step >= final - 1:
+            base = max(base, self.policy.startup)
         return base
 
     def check(self, now: float) -> Hang | None:

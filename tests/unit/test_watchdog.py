@@ -19,6 +19,7 @@ def policy(**kw) -> HangPolicy:
 def test_defaults_come_from_the_schema():
     p = HangPolicy.from_config(load_recipe(TINY).config)
     assert (p.explicit, p.enabled, p.floor, p.factor, p.startup, p.checkpoint_period) == (None, True, 60, 10, 600, 10)
+    assert p.final_step == 99
 
 
 @pytest.mark.parametrize("value, explicit, enabled", [("auto", None, True), (15, 15.0, True), (None, None, False)])
@@ -114,3 +115,14 @@ def test_straggler_watch_flags_a_slow_node_once(tmp_path):
     watch.check()
     flagged = [e for e in run.events() if e["event"] == "node.straggler"]
     assert [(e["node"], e["attempt"], round(e["ratio"], 1)) for e in flagged] == [("slow", 2, 3.0)]
+
+
+@pytest.mark.parametrize("explicit", [None, 10.0])
+def test_the_end_of_training_gets_the_start_up_allowance(explicit):
+    """After the last step's line only the final save and the shutdown remain: no step-sized timeout there."""
+    w = HangWatch(policy(explicit=explicit, final_step=29), ranks=[0], started=0.0)
+    w.progress(0, 27, 0.1, now=10.0)
+    assert w.timeout_for(0) == (60.0 if explicit is None else 10.0)
+    w.progress(0, 28, 0.1, now=11.0)
+    assert w.timeout_for(0) == 600.0
+    assert w.check(now=11.0 + 599.0) is None and w.check(now=11.0 + 601.0) is not None
