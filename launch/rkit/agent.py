@@ -13,9 +13,11 @@ import faulthandler
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,8 +193,45 @@ def watch_preempt_request(ctx: AgentContext, poll_seconds: float = 0.25) -> thre
     return thread
 
 
+SUPERVISOR_FD = "RKIT_SUPERVISOR_FD"
+SUPERVISOR_TOKEN = "RKIT_SUPERVISOR_TOKEN"
+
+
+def watch_supervisor(environ: dict[str, str] | None = None,
+                     on_gone: Callable[[], None] | None = None) -> threading.Thread | None:
+    """The local backend hands each rank the read end of a pipe whose write end only the supervisor holds,
+    with a token written into it. EOF on it means the supervisor is gone (even by SIGKILL): this rank and
+    everything in its process group stop, so no trainer outlives its supervisor. No pipe (Slurm: the batch job
+    ends its steps with it), a closed descriptor or a wrong token: nothing is watched."""
+    env = os.environ if environ is None else environ
+    try:
+        fd, token = int(env[SUPERVISOR_FD]), env[SUPERVISOR_TOKEN].encode()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode) or os.read(fd, len(token)) != token:
+            return None
+    except (KeyError, ValueError, OSError):
+        return None
+
+    def gone() -> None:
+        sys.stderr.write("rkit: the supervisor is gone: stopping this rank\n")
+        sys.stderr.flush()
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 64):
+                pass
+        except OSError:
+            pass
+        (on_gone or gone)()
+
+    thread = threading.Thread(target=watch, name="rkit-supervisor", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
+    watch_supervisor()  # first: jax.distributed's set-up below may block for minutes
     ctx = AgentContext.from_env()
     # When this process started (after any container runtime): splits restart latency into its parts.
     ctx.run.emit("agent.started", attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())

@@ -109,6 +109,11 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
     lost = goodput.compute(events, placed,
                            checkpoint_period=config.checkpoint.period, now=now)
     table = attempts(events)
+    if state is RunState.STOPPED:
+        for row in table:  # its supervisor is gone: it is not running, whatever its processes do
+            if "started" in row and "cause" not in row:
+                row.update(cause="lost", detail="its supervisor ended without recording how; `rkit run --resume` "
+                                                "checks its processes and records it")
     return {
         "name": run.name,
         "path": str(run.path),

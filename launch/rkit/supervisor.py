@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from .policy import (
 )
 from .rundir import EV, RunDir, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
-from .telemetry.stragglers import find_stragglers
+from .telemetry.stragglers import StragglerWatch
 from .trainers import maxtext
 from .watchdog import HangPolicy, HangWatch
 
@@ -101,8 +102,10 @@ class Supervisor:
             return RunState.FINISHED
         lost = self._lost_attempt(events)
         if lost is not None:
+            refuse_if_alive(self.run, lost[0])
             decision, tally = decide(tally, lost[1], budgets, False)
             self._record_end(lost[0], lost[1], decision, tally)
+            close_record(self.run, lost[0], lost[1])
             if decision.action is Action.GIVE_UP:
                 self.run.emit(EV.RUN_GAVE_UP, reason=decision.reason, committed_step=lost[1].committed_after)
                 return RunState.GAVE_UP
@@ -201,6 +204,8 @@ class Supervisor:
             return Outcome(Cause.LAUNCH_ERROR, committed_before, committed_before, f"{exc}")
         info["nodes"] = self.backend.nodes(handle)
         info["pids"] = handle.pids()
+        info["host"] = socket.gethostname()
+        info["pid_started"] = {name: _started(pid) for name, pid in info["pids"].items()}
         write_json_atomic(self.run.attempt_record(attempt), info)
         self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                       nodes=info["nodes"], processes=self.processes, injections=info["injections"])
@@ -366,43 +371,50 @@ class AttemptWatch:
         return {rank: tail.last.step if tail.last else None for rank, tail in self.tails.items()}
 
 
-@dataclass
-class StragglerWatch:
-    """Per-node step times of one attempt (a recent window); every `every` seconds, nodes well above the others
-    are flagged with a `node.straggler` event (once per node and attempt)."""
+def _started(pid: int) -> float | None:
+    """A process's start time: with the host, it tells the recorded process from a later one with its pid."""
+    import psutil
 
-    run: RunDir
-    attempt: int
-    factor: float
-    clock: Callable[[], float]
-    every: float = 15.0
-    window: int = 2000
-    lines: list[dict] = field(default_factory=list)
-    flagged: set[str] = field(default_factory=set)
-    first_step: int | None = None
-    _next: float = 0.0
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
-    def add(self, m: object) -> None:
-        if m.node is None or m.step_time is None:
-            return
-        if self.first_step is None:
-            self.first_step = m.step
-        self.lines.append({"node": m.node, "step": m.step, "step_time": m.step_time, "attempt": self.attempt})
-        del self.lines[:-self.window]
 
-    def check(self) -> None:
-        now = self.clock()
-        if now < self._next:
-            return
-        self._next = now + self.every  # also when there is one node: this runs on every poll of the supervisor
-        if len({line["node"] for line in self.lines}) < 2:
-            return
-        for s in find_stragglers(self.lines, self.factor, start_step=self.first_step):
-            if s.node not in self.flagged:
-                self.flagged.add(s.node)
-                self.run.emit(EV.NODE_STRAGGLER, **s.as_dict(), factor=self.factor,
-                              reason=f"median step time {s.median:.3f} s is {s.ratio:.2f}x the other nodes' "
-                                     f"{s.others_median:.3f} s")
+def alive_processes(record: dict) -> dict[str, int]:
+    """The recorded processes of an attempt that still run on this host (same pid and start time)."""
+    if record.get("host") != socket.gethostname():
+        return {}
+    started = record.get("pid_started") or {}
+    return {name: pid for name, pid in (record.get("pids") or {}).items()
+            if started.get(name) is not None and _started(pid) == started[name]}
+
+
+def refuse_if_alive(run: RunDir, attempt: int) -> None:
+    """Never two sets of trainers on one run: a lost attempt whose processes still run is refused by name."""
+    try:
+        record = json.loads(run.attempt_record(attempt).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    alive = alive_processes(record)
+    if alive:
+        pids = ", ".join(f"{name} pid {pid}" for name, pid in sorted(alive.items()))
+        groups = " ".join(f"-{pid}" for pid in sorted(alive.values()))
+        raise RkitError(f"{run.path}: attempt {attempt} is still running without its supervisor ({pids} on "
+                        f"{record['host']}); two sets of trainers would write the same checkpoints. Stop them "
+                        f"first (kill -TERM -- {groups}), then run again with --resume.")
+
+
+def close_record(run: RunDir, attempt: int, outcome: Outcome) -> None:
+    """A lost attempt's attempt.json says how it ended, like any other's."""
+    path = run.attempt_record(attempt)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    record.update({"ended": time.time(), "cause": outcome.cause.value, "detail": outcome.detail,
+                   "committed_step": outcome.committed_after})
+    write_json_atomic(path, record)
 
 
 def default_jax_cache_dir() -> str:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,40 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(workspace: Path, baseline: Run
     rkit("run", str(TINY), "-o", "name=interrupted", *SHORT, "--resume", cwd=workspace, env=ENV, check=0)
     assert final_loss(run) == final_loss(baseline)
     assert status_json(run)["state"] == "finished"
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_supervisor_sigkill_ends_its_trainers_and_resume_finishes(workspace: Path, baseline: RunDir):
+    env = dict(os.environ, **ENV)
+    argv = [sys.executable, "-m", "rkit.cli", "run", str(TINY), "-o", "name=orphans", *SHORT]
+    proc = subprocess.Popen(argv, cwd=workspace, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = RunDir(workspace / "runs" / "orphans")
+    try:
+        wait_until(lambda: len(merged(run, rank=0)) >= 12 or proc.poll() is not None, 300, "step 12", every=0.05)
+        record = json.loads(run.attempt_record(1).read_text())
+        assert record["pids"] and record["host"] and all(record["pid_started"].values())
+    finally:
+        proc.kill()
+        proc.wait()
+    killed = time.monotonic()
+    wait_until(lambda: not any(_running(pid) for pid in record["pids"].values()), 10,
+               "every rank to stop after its supervisor was killed", every=0.1)
+    print(f"supervisor SIGKILL -> no rank alive: {time.monotonic() - killed:.2f} s")
+    s = status_json(run)
+    assert s["state"] == "stopped" and s["attempts"][0]["cause"] == "lost"  # not "running" forever
+    rkit("run", str(TINY), "-o", "name=orphans", *SHORT, "--resume", cwd=workspace, env=ENV, check=0)
+    ended = events(run, "attempt.ended")
+    assert (ended[0]["attempt"], ended[0]["cause"]) == (1, "lost") and ended[-1]["cause"] == "completed"
+    assert json.loads(run.attempt_record(1).read_text())["cause"] == "lost"  # closed in the record too
+    assert final_loss(run) == final_loss(baseline)
 
 
 def test_hang_is_detected_dumped_and_replaced(workspace: Path, baseline: RunDir):

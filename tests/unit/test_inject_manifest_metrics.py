@@ -172,3 +172,34 @@ def test_merged_view_of_rkit_lines_across_attempts(tmp_path: Path):
     assert [(s, v["attempt"], v["loss"], v["recomputed"]) for s, v in view.items()] == [
         (0, 1, 5.0, False), (1, 2, 4.1, True), (2, 2, 3.1, True), (3, 2, 2.0, False)]
     assert ranks(run) == [0]
+
+
+def test_a_rank_stops_when_its_supervisor_pipe_closes():
+    import os
+    import threading
+
+    from rkit.agent import watch_supervisor
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"tok3n")
+    gone = threading.Event()
+    env = {"RKIT_SUPERVISOR_FD": str(read_end), "RKIT_SUPERVISOR_TOKEN": "tok3n"}
+    thread = watch_supervisor(env, on_gone=gone.set)
+    assert thread is not None and not gone.wait(0.2)  # alive while the write end is open
+    os.close(write_end)  # what the kernel does when the supervisor dies, even by SIGKILL
+    assert gone.wait(10)
+    os.close(read_end)
+
+
+def test_no_pipe_or_a_wrong_token_watches_nothing():
+    import os
+
+    from rkit.agent import watch_supervisor
+
+    assert watch_supervisor({}) is None
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"other")
+    assert watch_supervisor({"RKIT_SUPERVISOR_FD": str(read_end), "RKIT_SUPERVISOR_TOKEN": "tok3n"}) is None
+    os.close(write_end)
+    os.close(read_end)
+    assert watch_supervisor({"RKIT_SUPERVISOR_FD": "9999", "RKIT_SUPERVISOR_TOKEN": "x"}) is None

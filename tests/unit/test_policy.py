@@ -164,3 +164,31 @@ def test_an_attempt_without_an_end_is_found_as_lost(tmp_path, monkeypatch):
     assert attempt == 1 and outcome.cause is Cause.LOST and "Slurm requeued the job" in outcome.detail
     run.emit("attempt.ended", attempt=1, cause="lost")
     assert sup._lost_attempt(run.events()) is None
+
+
+def test_a_lost_attempt_whose_processes_still_run_is_refused(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from rkit.errors import RkitError
+    from rkit.rundir import RunDir, write_json_atomic
+    from rkit.supervisor import _started, refuse_if_alive
+
+    run = RunDir(tmp_path / "run")
+    run.attempt_dir(1).mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"host": socket.gethostname(), "pids": {"0": sleeper.pid, "1": os.getpid()},
+                  "pid_started": {"0": _started(sleeper.pid), "1": _started(os.getpid()) + 5}}  # 1: a reused pid
+        write_json_atomic(run.attempt_record(1), record)
+        with pytest.raises(RkitError, match=f"attempt 1 is still running without its supervisor \\(0 pid "
+                                            f"{sleeper.pid} on"):
+            refuse_if_alive(run, 1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    refuse_if_alive(run, 1)  # gone: nothing to refuse
+    write_json_atomic(run.attempt_record(1), {**record, "host": "another-host"})
+    refuse_if_alive(run, 1)  # another machine's processes cannot be checked from here

@@ -100,8 +100,8 @@ def test_the_learned_step_times_carry_over_between_attempts():
 
 def test_straggler_watch_flags_a_slow_node_once(tmp_path):
     from rkit.rundir import RunDir
-    from rkit.supervisor import StragglerWatch
     from rkit.telemetry.metrics import StepMetrics
+    from rkit.telemetry.stragglers import StragglerWatch
 
     now = [0.0]
     run = RunDir(tmp_path / "run")

@@ -7,6 +7,7 @@ Each rank runs in its own process group so that a stop reaches everything it sta
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -45,6 +46,12 @@ class LaunchRequest:
 class LocalAttempt(Handle):
     request: LaunchRequest | None = None
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    lifelines: list[int] = field(default_factory=list)  # write ends of the ranks' supervisor pipes
+
+    def release(self) -> None:
+        """Close the pipes' write ends once every rank is reaped (a live rank would take it as our death)."""
+        while self.lifelines:
+            os.close(self.lifelines.pop())
 
     def pids(self) -> dict[str, int]:
         return {str(r): p.pid for r, p in self.procs.items()}
@@ -109,14 +116,25 @@ class LocalBackend:
         return LaunchRequest(attempt=attempt, ranks=ranks, cwd=cwd)
 
     def submit(self, request: LaunchRequest) -> LocalAttempt:
+        """Each rank gets the read end of a pipe only this process writes to (agent.watch_supervisor): when the
+        supervisor dies, even by SIGKILL, the kernel closes the write end and the rank stops itself."""
         handle = LocalAttempt(request=request)
         try:
             for r in request.ranks:
                 r.log.parent.mkdir(parents=True, exist_ok=True)
-                with open(r.log, "ab") as log:
-                    handle.procs[r.rank] = subprocess.Popen(
-                        r.argv, env=r.env, cwd=request.cwd, stdout=log, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, start_new_session=True)
+                read_end, write_end = os.pipe()
+                handle.lifelines.append(write_end)
+                token = secrets.token_hex(16)
+                os.write(write_end, token.encode())
+                prefix = "APPTAINERENV_" if self.container else ""
+                env = {**r.env, f"{prefix}RKIT_SUPERVISOR_FD": str(read_end), f"{prefix}RKIT_SUPERVISOR_TOKEN": token}
+                try:
+                    with open(r.log, "ab") as log:
+                        handle.procs[r.rank] = subprocess.Popen(
+                            r.argv, env=env, cwd=request.cwd, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(read_end,))
+                finally:
+                    os.close(read_end)
         except OSError:
             self.stop(handle, grace=0)
             raise
@@ -129,6 +147,8 @@ class LocalBackend:
                 handle.exits[rank] = RankExit(rank, proc.returncode)
                 # Anything the rank started dies with it.
                 self._signal_group(proc, signal.SIGKILL)
+        if len(handle.exits) == len(handle.procs):
+            handle.release()
         return handle.exits
 
     def running(self, handle: LocalAttempt) -> list[int]:
@@ -145,9 +165,11 @@ class LocalBackend:
                 self._signal_group(proc, sig)
 
     def stop(self, handle: LocalAttempt, grace: float, sig: int = signal.SIGTERM) -> None:
-        """Idempotent: `sig` to every live rank, wait up to `grace` seconds, then SIGKILL and reap."""
+        """Idempotent: `sig` to every live rank, wait up to `grace` seconds, then SIGKILL and reap. A stopped rank
+        (SIGSTOP, a hang) is continued right after `sig`, so that it can act on it within the grace."""
         if grace > 0:
             self.signal_all(handle, sig)
+            self.signal_all(handle, signal.SIGCONT)
             deadline = time.monotonic() + grace
             while self.running(handle) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -156,6 +178,7 @@ class LocalBackend:
             proc.wait()
             handle.exits.setdefault(rank, RankExit(rank, proc.returncode))
             self._signal_group(proc, signal.SIGKILL)
+        handle.release()
 
     def nodes(self, handle: LocalAttempt) -> list[str]:
         return [socket.gethostname()]

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ..rundir import EV, RunDir
 
 DEFAULT_FACTOR = 1.5
 SKIP_STEPS = 3
@@ -72,4 +74,43 @@ def straggler_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The `node.straggler` events the supervisor emitted while the run was live, oldest first."""
     return [{"attempt": e.get("attempt"), "node": e.get("node"), "ratio": e.get("ratio"),
              "median": e.get("median"), "others_median": e.get("others_median"), "t": e.get("t")}
-            for e in events if e.get("event") == "node.straggler"]
+            for e in events if e.get("event") == EV.NODE_STRAGGLER]
+
+
+@dataclass
+class StragglerWatch:
+    """Per-node step times of one attempt (a recent window); every `every` seconds, nodes well above the others
+    are flagged with a `node.straggler` event (once per node and attempt)."""
+
+    run: RunDir
+    attempt: int
+    factor: float
+    clock: Callable[[], float]
+    every: float = 15.0
+    window: int = 2000
+    lines: list[dict] = field(default_factory=list)
+    flagged: set[str] = field(default_factory=set)
+    first_step: int | None = None
+    _next: float = 0.0
+
+    def add(self, m: object) -> None:
+        if m.node is None or m.step_time is None:
+            return
+        if self.first_step is None:
+            self.first_step = m.step
+        self.lines.append({"node": m.node, "step": m.step, "step_time": m.step_time, "attempt": self.attempt})
+        del self.lines[:-self.window]
+
+    def check(self) -> None:
+        now = self.clock()
+        if now < self._next:
+            return
+        self._next = now + self.every  # also when there is one node: this runs on every poll of the supervisor
+        if len({line["node"] for line in self.lines}) < 2:
+            return
+        for s in find_stragglers(self.lines, self.factor, start_step=self.first_step):
+            if s.node not in self.flagged:
+                self.flagged.add(s.node)
+                self.run.emit(EV.NODE_STRAGGLER, **s.as_dict(), factor=self.factor,
+                              reason=f"median step time {s.median:.3f} s is {s.ratio:.2f}x the other nodes' "
+                                     f"{s.others_median:.3f} s")
