@@ -213,6 +213,7 @@ def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
     import json
 
     from .errors import RkitError
+    from .rundir import RunDir
     from .stamp import hashed_config
 
     stamp: dict[str, Any] = {}
@@ -222,8 +223,9 @@ def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
         if source.is_dir():
             if not (source / "resolved.json").is_file():
                 raise RkitError(f"{source}: not an rkit run directory (no resolved.json) nor a manifest file.")
-            config = hashed_config(json.loads((source / "resolved.json").read_text(encoding="utf-8")))
-            stamp = json.loads((source / "manifest.json").read_text(encoding="utf-8"))
+            run = RunDir(source)
+            config = hashed_config(run.load_resolved())
+            stamp = run.load_manifest()
             env = _latest_env_manifest(source)
         else:
             stamp = json.loads(source.read_text(encoding="utf-8"))
@@ -233,8 +235,8 @@ def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
     except FileNotFoundError as exc:
         raise RkitError(f"{source}: {exc.strerror}: {exc.filename}. "
                         "Give two run directories or manifest files.") from None
-    except ValueError as exc:
-        raise RkitError(f"{source}: not a readable manifest ({exc}).") from None
+    except (ValueError, RecursionError) as exc:
+        raise RkitError(f"{source}: not a readable manifest ({type(exc).__name__}: {str(exc)[:120]}).") from None
     if env is None:
         env = stamp.get("host", stamp)  # a run's stamp, or an environment manifest itself
     run_info = {k: v for k, v in stamp.get("run", {}).items()}

@@ -230,7 +230,7 @@ class RunDir:
         return self
 
     def load_resolved(self) -> dict:
-        return json.loads(self.require().resolved.read_text(encoding="utf-8"))
+        return self._load_object(self.require().resolved, "rkit writes it once, when the run is created")
 
     def config(self) -> Config:
         """The typed view of resolved.json."""
@@ -239,10 +239,24 @@ class RunDir:
         return Config.from_resolved(self.load_resolved())
 
     def load_manifest(self) -> dict:
-        try:
-            return json.loads(self.manifest.read_text(encoding="utf-8"))
-        except FileNotFoundError:
+        if not self.manifest.exists():
             return {}
+        return self._load_object(self.manifest, "rkit writes it once, when the run is created")
+
+    @staticmethod
+    def _load_object(path: Path, how: str) -> dict:
+        """A JSON object file of the run; a damaged one is a clear error (exit 2), never a traceback."""
+        try:
+            value = json.loads(path.read_bytes().decode("utf-8"))
+        except OSError as exc:
+            raise RkitError(f"{path}: cannot be read: {exc.strerror}.") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise RkitError(f"{path}: damaged, not a JSON object ({type(exc).__name__}: {str(exc)[:120]}); {how}. "
+                            "Restore it from a copy of the run directory.") from None
+        if not isinstance(value, dict):
+            raise RkitError(f"{path}: damaged, not a JSON object; {how}. Restore it from a copy of the run "
+                            "directory.")
+        return value
 
     # ------------------------------------------------------------ events
 

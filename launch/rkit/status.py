@@ -38,7 +38,8 @@ def slurm_info(events: list[dict]) -> dict[str, Any] | None:
             "restart_count": started[-1].get("restart_count") if started else None}
 
 
-def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = None) -> tuple[RunState, str]:
+def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = None, *,
+              final_committed: bool = False) -> tuple[RunState, str]:
     if run.is_locked():
         return RunState.RUNNING, "a supervisor is running this run"
     for e in reversed(events):
@@ -53,6 +54,9 @@ def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = No
         return RunState.PENDING if slurm["state"] != "RUNNING" else RunState.RUNNING, \
             f"Slurm job {slurm['job_id']} is {slurm['state']}" + (f" ({slurm['reason']})" if slurm["reason"]
                                                                    and slurm["reason"] != "None" else "")
+    if final_committed:  # the final word was lost (a cut last line of events.jsonl), the checkpoint was not
+        return RunState.FINISHED, ("the final step is committed (events.jsonl has no final word from the supervisor: "
+                                   "its last line may have been cut)")
     return RunState.STOPPED, ("the supervisor ended without a final word (killed or machine lost); "
                               "resume with `rkit run RECIPE --resume`")
 
@@ -86,7 +90,9 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
     stamp = run.load_manifest() if stamp is None else stamp
     events = run.events() if events is None else events
     slurm = slurm_info(events)
-    state, reason = run_state(run, events, slurm)
+    committed = maxtext.latest_committed_step(run)
+    state, reason = run_state(run, events, slurm,
+                              final_committed=committed is not None and committed >= config.trainer.final_step)
     total = int(config.trainer.steps)
     processes = config.processes
     # read once: the merged view and the goodput both need it
@@ -98,7 +104,6 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
     started = next((e["t"] for e in events if e.get("event") == EV.RUN_SUBMITTED), None)
     ended = events[-1]["t"] if events and state is not RunState.RUNNING else time.time()
     current = steps[-1]["step"] if steps else None
-    committed = maxtext.latest_committed_step(run)
     done_steps = (current + 1) if current is not None else 0
     eta = (total - done_steps) * step_time if state is RunState.RUNNING and step_time else None
     final_loss = steps[-1]["loss"] if steps else None

@@ -12,7 +12,7 @@ Timeline (seconds after 1000; a Slurm run with checkpoint.period 5, two nodes, o
   101 attempt 2 started from step 10         -> other 1
   111 first step (step 11)                   -> startup 10
   112..119 steps 12..19, 1 s each; 12..14 were trained before -> recompute 3, productive 5
-  122 attempt.ended (completed)              -> teardown 3
+  122 attempt.ended (completed)              -> shutdown 3 (the final save: not a failure's teardown)
   123 run.finished                           -> other 1
 Wall time 123 s.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 T0 = 1000.0
 EXPECTED = {"queue": 10.0, "other": 5.0, "startup": 30.0, "productive": 19.0, "checkpoint": 4.0, "hang": 30.0,
-            "teardown": 8.0, "requeue": 14.0, "recompute": 3.0}
+            "teardown": 5.0, "shutdown": 3.0, "requeue": 14.0, "recompute": 3.0}
 CONFIG_HASH = "sha256:" + "ab" * 32
 IMAGE_SHA = "sha256:" + "cd" * 32
 

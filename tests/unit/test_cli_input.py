@@ -92,6 +92,21 @@ def test_status_and_diff_of_non_runs_exit_2(cli, workdir: Path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("damage", [b'{"name": "cut', b"\xff\xfe", b"[1, 2]", b"[" * 100_000])
+@pytest.mark.parametrize("which", ["resolved.json", "manifest.json"])
+def test_a_damaged_stamp_exits_2_with_one_line(cli, workdir: Path, damage: bytes, which: str):
+    run = RunDir(workdir / "runs" / "damaged")
+    run.path.mkdir(parents=True)
+    run.resolved.write_text(json.dumps({"name": "damaged", "trainer": {"steps": 3}}))
+    run.emit("run.submitted", name="damaged")
+    (run.path / which).write_bytes(damage)
+    for command in (["status"], ["status", "--json"], ["report"], ["diff", str(run.path)]):
+        done = cli(*command, str(run.path), cwd=workdir)
+        assert done.returncode == 2, (command, done.stderr)
+        assert "Traceback" not in done.stderr and f"{which}: damaged" in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 yaml_like = st.text(alphabet=st.sampled_from(list("abcnmetrkisp:-[]{}#&*!|>'\"\n\t 0123456789.,?%@`")), max_size=200)
 
 

@@ -78,3 +78,16 @@ def test_watch_redraws_until_the_run_ends(run: RunDir):
     finally:
         lock.release()
     assert state.value == "finished" and sleeps == [2.0, 2.0]
+
+
+def test_a_cut_final_line_reads_the_state_from_what_is_committed(run: RunDir):
+    text = run.events_file.read_bytes()
+    cut = text[: text.rindex(b'{"')] + b'{"event": "run.fin'  # the final word cut mid-line
+    run.events_file.write_bytes(cut)
+    final = run.config().trainer.final_step
+    s = run_status.status(run)
+    assert s["state"] == "stopped"  # nothing committed: the supervisor's end is unknown
+    (run.orbax_dir / str(final)).mkdir(parents=True)
+    (run.orbax_dir / str(final) / "commit_success.txt").write_text("ok")
+    s = run_status.status(run)
+    assert s["state"] == "finished" and "the final step is committed" in s["reason"]

@@ -20,7 +20,9 @@ Every second of the wall time goes to exactly one category, so the categories su
   * recompute: the rest of the time of steps that were trained before (a restart went back to a checkpoint).
   * productive: the rest. Window time not covered by step times is "other".
 - hang: from each `attempt.hang` event, `seconds_silent` back from the event.
-- teardown: an ended attempt's last step (or its failure, when it never stepped) -> `attempt.ended`.
+- teardown: a failed attempt's last step (or its failure, when it never stepped) -> `attempt.ended`.
+- shutdown: a completed attempt's last step -> `attempt.ended` (the final save and the processes' exit): the cost
+  of ending well, not a failure's.
 - queue: `job.submitted` -> the next `job.started`; requeue: `job.requeued` -> the next `job.started`, or, when
   Slurm requeued the job itself (a node died with the batch host), the last record before that `job.started`.
 - other: whatever is left: the supervisor's own work between attempts, the step in flight of a live attempt.
@@ -48,9 +50,10 @@ CATEGORIES = {
     "queue": "queue wait",
     "requeue": "requeue wait",
     "teardown": "failure and teardown",
+    "shutdown": "final save and shutdown",
     "other": "other",
 }
-PRIORITY = ("hang", "teardown", "startup", "steps", "requeue", "queue")
+PRIORITY = ("hang", "teardown", "shutdown", "startup", "steps", "requeue", "queue")
 SESSION_START = (EV.RUN_SUBMITTED, EV.RUN_RESUMED)
 SESSION_END = (EV.RUN_FINISHED, EV.RUN_GAVE_UP, EV.RUN_INTERRUPTED)
 
@@ -90,6 +93,7 @@ class _Attempt:
     ended: float | None = None
     first_step: float | None = None
     failed: float | None = None
+    cause: str | None = None
     hangs: list[tuple[float, float]] = field(default_factory=list)
     last_seen: float | None = None
 
@@ -203,7 +207,7 @@ def compute(events: list[dict], lines: list[dict[str, Any]], *, checkpoint_perio
             intervals.append((first, last, f"steps:{len(steps_shares)}"))
             steps_shares.append(shares)
             if a.ended is not None:
-                intervals.append((last, end, "teardown"))
+                intervals.append((last, end, "shutdown" if a.cause == "completed" else "teardown"))
         intervals.extend((max(t - silent, a.started), t, "hang") for t, silent in a.hangs)
     intervals.extend(_queue_intervals(events))
     covered, other, wall = _paint(intervals, sessions)
@@ -264,7 +268,7 @@ def _attempts(events: list[dict], lines: list[dict[str, Any]]) -> list[_Attempt]
         elif kind == EV.ATTEMPT_FAILED and a.failed is None:
             a.failed = t
         elif kind == EV.ATTEMPT_ENDED:
-            a.ended = t
+            a.ended, a.cause = t, e.get("cause")
         elif kind == EV.ATTEMPT_HANG:
             a.hangs.append((t, float(e.get("seconds_silent") or 0.0)))
     for line in lines:
