@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .inject import FIRED_EVENT, Injection
-from .rundir import RunDir, write_json_atomic
+from .rundir import EV, RunDir, write_json_atomic
 from .telemetry import metrics
 from .telemetry.metrics import MetricsTail
 from .telemetry.node import node_name, start_node_services
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     watch_supervisor()  # first: jax.distributed's set-up below may block for minutes
     ctx = AgentContext.from_env()
     # When this process started (after any container runtime): splits restart latency into its parts.
-    ctx.run.emit("agent.started", attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())
+    ctx.run.emit(EV.AGENT_STARTED, attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())
     init_distributed(ctx)
     write_env_manifest(ctx)
     start_node_services(ctx.run, ctx.attempt)  # health sampler + exporter; local rank 0 of a node only

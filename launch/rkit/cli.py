@@ -108,13 +108,13 @@ def cancel(run_dir: Path) -> None:
     """Cancel RUN's Slurm job (scancel); the run stays resumable with `rkit run RECIPE --resume`."""
     from . import runner
     from .backends import slurm
-    from .rundir import RunDir
+    from .rundir import EV, RunDir
 
     run = RunDir(run_dir).require()
     job = runner.slurm_job(run)
     if not job:
         raise RkitError(f"{run_dir}: this run was never submitted to Slurm; stop a local run with Ctrl-C.")
-    run.emit("job.cancel_requested", job_id=job)
+    run.emit(EV.JOB_CANCEL_REQUESTED, job_id=job)
     ok = slurm.cancel(job)
     click.echo(f"rkit: {'cancelled' if ok else 'could not cancel'} Slurm job {job}")
     sys.exit(0 if ok else 1)

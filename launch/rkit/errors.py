@@ -9,6 +9,12 @@ class RkitError(Exception):
     exit_code = 2
 
 
+class RunDirUnwritable(RkitError):
+    """The run directory's file system refused a write (full, over quota, read-only): the run stops, exit 1."""
+
+    exit_code = 1
+
+
 class RecipeError(RkitError):
     """A recipe that cannot be used; carries every problem found, each with file, key path and line."""
 

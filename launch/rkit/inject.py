@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .errors import RkitError
+from .rundir import EV
 
 KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
 REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
-FIRED_EVENT = "inject.fired"
+FIRED_EVENT = EV.INJECT_FIRED
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def parse_injections(specs: list[str] | tuple[str, ...], processes: int) -> list
 
 def pending(injections: list[Injection], events: list[dict]) -> list[Injection]:
     """Injections still to fire: one-shot ones fire once per run, repeat ones every attempt."""
-    starts = [i for i, e in enumerate(events) if e.get("event") in ("run.submitted", "run.resumed")]
+    starts = [i for i, e in enumerate(events) if e.get("event") in (EV.RUN_SUBMITTED, EV.RUN_RESUMED)]
     since = events[starts[-1]:] if starts else events  # indexes restart with each `rkit run`
     fired = {e.get("index") for e in since if e.get("event") == FIRED_EVENT}
     return [inj for inj in injections if inj.repeat or inj.index not in fired]

@@ -54,6 +54,7 @@ class Cause(enum.Enum):
     INTERRUPTED = "interrupted"      # the user stopped the run (Ctrl-C)
     LAUNCH_ERROR = "launch_error"    # the processes could not be started
     LOST = "lost"                    # the attempt's supervisor died with it (batch host lost, machine lost)
+    DISK_FULL = "disk_full"          # a write failed for space (a checkpoint save): no restart into a full disk
 
     @property
     def infrastructure(self) -> bool:
@@ -164,6 +165,9 @@ def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bo
         return Decision(Action.STOP, "stopped by the user; resume with `rkit run RECIPE --resume`"), tally
     if outcome.cause is Cause.LAUNCH_ERROR:
         return Decision(Action.GIVE_UP, f"the processes could not be started: {outcome.detail}"), tally
+    if outcome.cause is Cause.DISK_FULL:
+        return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt would fail the same way: free space "
+                                        "(or raise the quota), then continue with `rkit run RECIPE --resume`"), tally
     tally = _repeat(tally, outcome)
     if outcome.cause.infrastructure:
         tally = replace(tally, infra_failures=tally.infra_failures + 1, stalled=0, stalled_details=())
@@ -233,6 +237,7 @@ class Observation:
     preempt: str | None = None  # the scheduler's time-limit or preemption signal, by name
     inject_sigterm: str | None = None  # an injected preemption whose step was reached (its spec)
     hang: Hang | None = None
+    disk_full: str | None = None  # a rank's log line saying a write failed for space, with the file system
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
     final_step: int = 0
     final_committed: bool = False  # read once every rank has exited
@@ -278,6 +283,8 @@ def classify(obs: Observation) -> Ending | None:
                       exclude=down)
     if obs.interrupted:
         return Ending(Cause.INTERRUPTED, "interrupted by the user", Stop.GRACE)
+    if obs.disk_full:  # a save that failed for space never succeeds on retry, and its trainer may sit forever
+        return Ending(Cause.DISK_FULL, f"disk full: {obs.disk_full}", Stop.NOW, step=obs.step)
     if obs.preempt:
         return Ending(Cause.PREEMPTED, f"{obs.preempt} at step {_fmt(obs.step)} (time limit or preemption)",
                       Stop.SAVE, step=obs.step, requeue=True)

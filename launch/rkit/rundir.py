@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import RkitError
+from .errors import RkitError, RunDirUnwritable
 
 if TYPE_CHECKING:
     from .config import Config
@@ -52,14 +52,47 @@ class EV:
     DISK_LOW = "disk.low"
 
 
+def filesystem(path: Path) -> tuple[str, int | None]:
+    """The mount point that holds `path` (or its nearest existing parent) and the bytes an unprivileged writer
+    can still use there."""
+    path = Path(path).absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    mount = path
+    while not os.path.ismount(mount) and mount.parent != mount:
+        mount = mount.parent
+    try:
+        st = os.statvfs(path)
+        return str(mount), st.f_bavail * st.f_frsize
+    except OSError:
+        return str(mount), None
+
+
+def unwritable(path: Path, exc: OSError) -> RunDirUnwritable:
+    """The one diagnosis of a write the run directory's file system refused."""
+    mount, free = filesystem(path)
+    room = "" if free is None else f", {free} bytes free"
+    return RunDirUnwritable(f"{path}: cannot write: {exc.strerror or exc} (file system {mount}{room}). The run "
+                            "stopped here; free space (or fix the file system) and continue with "
+                            "`rkit run RECIPE --resume`.")
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one atomic writer: a reader never sees half a file (temp file beside it, fsync, rename)."""
+    """The one atomic writer: a reader never sees half a file (temp file beside it, fsync, rename). A refused
+    write leaves no temp file and raises RunDirUnwritable."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise unwritable(path, exc) from None
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -264,12 +297,15 @@ class RunDir:
         """Append one event; one write of one line, so concurrent writers do not interleave."""
         event = {"t": round(time.time(), 3), **fields, "event": name}
         line = json.dumps(event, sort_keys=True, default=str) + "\n"
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.events_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line.encode("utf-8"))
-        finally:
-            os.close(fd)
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.events_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode("utf-8"))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise unwritable(self.events_file, exc) from None
         return event
 
     def events(self) -> list[dict]:

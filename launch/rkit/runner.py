@@ -15,13 +15,13 @@ import yaml
 from . import __version__, manifest
 from .backends.local import Container, LocalBackend
 from .config import Config
-from .errors import RkitError
+from .errors import RkitError, RunDirUnwritable
 from .image import ImageIdentity, apptainer, identify, locate, sha256_file
 from .image import resolve as resolve_image
 from .inject import Injection
 from .policy import Progress, RunState
 from .recipe import Recipe, parse_recipe
-from .rundir import RunDir, RunLock, write_json_atomic
+from .rundir import EV, RunDir, RunLock, write_json_atomic
 from .stamp import canonical_json, config_hash, hashed_config, is_secret_name
 from .supervisor import Supervisor, default_jax_cache_dir
 
@@ -57,7 +57,7 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
             stamp(run, recipe, injections, image, extra_stamp or {})
         else:
             check_resume(run, recipe, image)
-            run.emit("run.resumed", injections=[i.spec for i in injections], host=manifest.socket.gethostname())
+            run.emit(EV.RUN_RESUMED, injections=[i.spec for i in injections], host=manifest.socket.gethostname())
         yield run, lock
     finally:
         lock.release()
@@ -86,7 +86,7 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
         **extra,
     }
     write_json_atomic(run.manifest, stamp_data)
-    run.emit("run.submitted", name=recipe.name, config_hash=recipe.config_hash, launcher=recipe.config.launcher,
+    run.emit(EV.RUN_SUBMITTED, name=recipe.name, config_hash=recipe.config_hash, launcher=recipe.config.launcher,
              injections=[i.spec for i in injections], total_steps=recipe.total_steps)
 
 
@@ -153,14 +153,14 @@ def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
                             f"({slurm.job_state(live)['state']}); follow it with `rkit status {run.path}`.")
         request = slurm.render_batch(run, recipe.config, python)
         job_id = slurm.submit(request)
-        run.emit("job.submitted", job_id=job_id, argv=request.argv, script=str(request.script_path),
+        run.emit(EV.JOB_SUBMITTED, job_id=job_id, argv=request.argv, script=str(request.script_path),
                  injections=[i.as_dict() for i in injections])
     return run
 
 
 def slurm_job(run: RunDir) -> str | None:
     """The Slurm job id this run was last submitted as."""
-    ids = [e["job_id"] for e in run.events() if e.get("event") == "job.submitted"]
+    ids = [e["job_id"] for e in run.events() if e.get("event") == EV.JOB_SUBMITTED]
     return ids[-1] if ids else None
 
 
@@ -173,9 +173,9 @@ def supervise(run_path: Path) -> RunState:
     stamp = run.load_manifest()
     job_id = os.environ.get("SLURM_JOB_ID", "")
     events = run.events()
-    submitted = [e for e in events if e.get("event") == "job.submitted"]
+    submitted = [e for e in events if e.get("event") == EV.JOB_SUBMITTED]
     injections = [Injection.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
-    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == "nodes.excluded"), [])
+    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])
     image = None
     if stamp.get("image", {}).get("kind") == "sif":
         fields = {k: v for k, v in stamp["image"].items() if k != "kind"}
@@ -191,7 +191,7 @@ def supervise(run_path: Path) -> RunState:
         python=sys.executable, exclude=tuple(excluded))
     lock = _acquire_with_patience(run)
     try:
-        run.emit("job.started", job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        run.emit(EV.JOB_STARTED, job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                  batch_host=manifest.socket.gethostname(), allocation=backend.allocation(), excluded=excluded)
         recipe = Recipe(source=str(run.resolved), text="", resolved=resolved)
         supervisor = Supervisor(run=run, config=config, injections=injections, backend=backend,
@@ -201,11 +201,13 @@ def supervise(run_path: Path) -> RunState:
         signal.signal(signal.SIGUSR1, supervisor.request_preempt)
         try:
             state = supervisor.run_to_end()
+        except RunDirUnwritable:
+            raise  # nothing more can be recorded: the one line on stderr (the job's log) says why
         except Exception as exc:
-            run.emit("run.gave_up", reason=f"the supervisor failed: {type(exc).__name__}: {exc}")
+            run.emit(EV.RUN_GAVE_UP, reason=f"the supervisor failed: {type(exc).__name__}: {exc}")
             raise
         if state is RunState.REQUEUED and job_id:
-            run.emit("job.requeued", job_id=job_id, excluded=list(backend.exclude))
+            run.emit(EV.JOB_REQUEUED, job_id=job_id, excluded=list(backend.exclude))
             lock.release()
             # Requeue first: Slurm changes ExcNodeList only for a pending job ("Job is no longer pending
             # execution" while it runs). The requeue's SIGTERM to this script is caught (request_stop), so the

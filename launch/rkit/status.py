@@ -140,6 +140,8 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         "slurm": slurm,
         "goodput": lost.as_dict(top=3),
         "stragglers": straggler_events(events),
+        "disk_low": [{k: e.get(k) for k in ("attempt", "node", "fs", "path", "free_bytes", "fraction", "threshold")}
+                     for e in events if e.get("event") == EV.DISK_LOW],
         "last_event": events[-1] if events else None,
         "nodes": node_states(run, table[-1] if table else None, time.time(),
                              latest=None if rank_lines is None else
@@ -167,6 +169,10 @@ def render_status(s: dict[str, Any]) -> str:
     for st in s["stragglers"]:
         lines.append(f"straggler  {st['node']} in attempt {st['attempt']}: median step time "
                      f"{_num(st['ratio'], '{:.2f}')}x the other nodes'")
+    for d in s["disk_low"]:
+        lines.append(f"disk low   {d['fs']} ({d['path']}) on {d['node']} in attempt {d['attempt']}: "
+                     f"{d['free_bytes']} bytes free, {_num((d['fraction'] or 0) * 100, '{:.2f}')}% "
+                     f"(threshold {_num((d['threshold'] or 0) * 100, '{:.0f}')}%)")
     if s.get("slurm"):
         j = s["slurm"]
         lines.append(f"slurm      job {j['job_id']} {j['state']}, nodes {j['nodes'] or '-'}, excluded "

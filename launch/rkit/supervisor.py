@@ -36,7 +36,8 @@ from .policy import (
     decide,
     tally_from_events,
 )
-from .rundir import EV, RunDir, write_json_atomic
+from .ranklogs import LogScan
+from .rundir import EV, RunDir, filesystem, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
 from .telemetry.stragglers import StragglerWatch
 from .trainers import maxtext
@@ -210,28 +211,12 @@ class Supervisor:
         self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                       nodes=info["nodes"], processes=self.processes, injections=info["injections"])
 
-        watch = AttemptWatch(self, attempt, started, tails, progress)
-        ending: Ending | None = None
-        save_deadline: float | None = None
-        while True:
-            watch.read()
-            exits = self.backend.poll(handle)
-            if ending is None:
-                observed = self._observe(handle, watch, exits, sigterm_at)
-                ending = classify(observed)
-                if ending is not None:
-                    save_deadline = self._end(ending, observed, handle, attempt, info["nodes"], sigterm_at)
-            if ending is not None and ending.stop is not Stop.SAVE:
-                break
-            if ending is not None and len(exits) >= self.processes:
-                break  # the ranks saved and stopped
-            if save_deadline is not None and self.clock() >= save_deadline:
-                self.run.emit(EV.PREEMPT_ESCALATED, attempt=attempt, signal="SIGKILL",
-                              still_running=self.backend.running(handle))
-                self.backend.stop(handle, grace=0)
-                break
-            time.sleep(self.poll_seconds)
-
+        try:
+            ending = self._watch(handle, attempt, AttemptWatch(self, attempt, started, tails, progress),
+                                 info["nodes"], sigterm_at)
+        except BaseException:  # the supervisor itself failed (an unwritable run directory): no rank runs on
+            self.backend.stop(handle, grace=0)
+            raise
         committed_after = maxtext.latest_committed_step(self.run)
         too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
         requeue = ending.requeue or too_few
@@ -244,6 +229,32 @@ class Supervisor:
         write_json_atomic(self.run.attempt_record(attempt), info)
         return Outcome(ending.cause, committed_before, committed_after, ending.detail, requeue=requeue,
                        rank=ending.rank, code=ending.code, step=ending.step, nodes=ending.nodes)
+
+    def _watch(self, handle: Handle, attempt: int, watch: AttemptWatch, nodes: list[str],
+               sigterm_at: Injection | None) -> Ending:
+        """Poll until `classify` says how the attempt ends, end it that way (a save waits for the ranks up to the
+        grace), and return the ending."""
+        ending: Ending | None = None
+        save_deadline: float | None = None
+        while True:
+            watch.read()
+            exits = self.backend.poll(handle)
+            if ending is None:
+                observed = self._observe(handle, watch, exits, sigterm_at)
+                ending = classify(observed)
+                if ending is not None:
+                    save_deadline = self._end(ending, observed, handle, attempt, nodes, sigterm_at)
+            if ending is not None and ending.stop is not Stop.SAVE:
+                break
+            if ending is not None and len(exits) >= self.processes:
+                break  # the ranks saved and stopped
+            if save_deadline is not None and self.clock() >= save_deadline:
+                self.run.emit(EV.PREEMPT_ESCALATED, attempt=attempt, signal="SIGKILL",
+                              still_running=self.backend.running(handle))
+                self.backend.stop(handle, grace=0)
+                break
+            time.sleep(self.poll_seconds)
+        return ending
 
     def _observe(self, handle: Handle, watch: AttemptWatch, exits: dict[int, RankExit],
                  sigterm_at: Injection | None) -> Observation:
@@ -260,18 +271,20 @@ class Supervisor:
             interrupted=self._interrupted, preempt=self._preempt,
             inject_sigterm=(sigterm_at.spec if sigterm_at is not None and step is not None
                             and step >= sigterm_at.step else None),
-            hang=hang, stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
+            hang=hang, disk_full=watch.disk_full(force=failed or hang is not None),
+            stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
             final_step=self.config.trainer.final_step,
             final_committed=everyone_exited and not failed and self.final_committed())
 
     def _end(self, ending: Ending, observed: Observation, handle: Handle, attempt: int, nodes: list[str],
              sigterm_at: Injection | None) -> float | None:
         """Record how the attempt ends and end its processes that way; a save returns its SIGKILL deadline."""
-        if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL):
+        if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL):
             first = handle.exits.get(ending.rank) if ending.rank is not None else None
             self.run.emit(EV.ATTEMPT_FAILED, attempt=attempt, cls=ending.cause.value, rank=ending.rank,
                           exit_code=first.returncode if first and first.returncode >= 0 else None,
-                          signal=first.signal_name if first else "SIGTERM", last_step=ending.step,
+                          signal=first.signal_name if first else ("SIGTERM" if ending.nodes else None),
+                          last_step=ending.step,
                           node=first.node if first and first.node else
                           (ending.nodes[0] if first is None and ending.nodes else nodes[0]),
                           lost_nodes=list(ending.nodes))
@@ -348,6 +361,16 @@ class AttemptWatch:
                               step_times=sup._step_times)
         factor = float(sup.config.observability.straggler_factor)
         self.stragglers = StragglerWatch(sup.run, self.attempt, factor, sup.clock)
+        # Its own clock: how often the logs are read is about I/O, not policy (a hang forces a read anyway).
+        self.logs = LogScan([sup.run.rank_log(self.attempt, r) for r in self.tails], time.monotonic)
+
+    def disk_full(self, force: bool) -> str | None:
+        """A rank's log line saying a write failed for space, with the checkpoints' file system."""
+        line = self.logs.disk_full(force)
+        if line is None:
+            return None
+        mount, free = filesystem(self.sup.run.orbax_dir)
+        return f"{line} (file system {mount}: {'?' if free is None else free} bytes free)"
 
     def read(self) -> None:
         sup, progress = self.sup, self.progress

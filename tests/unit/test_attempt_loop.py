@@ -9,6 +9,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit
 from rkit.policy import Cause, Progress, RunState
 from rkit.recipe import load_recipe
@@ -111,6 +113,13 @@ class FakeBackend:
                 handle.exits[rank] = RankExit(rank, -signal.SIGKILL, "n2")
                 handle.failed_nodes.append("n2")
             elif rank == 1 and self.script.at("hang", handle.attempt, step):
+                handle.silent.add(rank)
+            elif rank == 0 and self.script.at("diskfull", handle.attempt, step):
+                # Orbax's async save fails for space; the trainer logs it and sits (it does not exit).
+                log = self.run.rank_log(handle.attempt, 0)
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text("I1130 step 8\nE1130 RESOURCE_EXHAUSTED: Error writing local file "
+                               "checkpoints/8.orbax-checkpoint-tmp/d/0: No space left on device\n")
                 handle.silent.add(rank)
             elif rank == 0 and self.script.at("interrupt", handle.attempt, step):
                 self.sup_ref[0].request_stop()
@@ -299,3 +308,48 @@ def test_already_finished_run_starts_nothing(tmp_path):
     sup, backend = make(tmp_path, Script())
     commit(sup.run, STEPS - 1)
     assert sup.run_to_end() is RunState.FINISHED and not events(sup.run, EV.ATTEMPT_STARTED)
+
+
+def test_disk_full_ends_the_attempt_at_once_and_the_run_stops(tmp_path):
+    sup, backend = make(tmp_path, Script(diskfull=(None, 8)), "resilience.hang_timeout=600")
+    assert sup.run_to_end() is RunState.GAVE_UP
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert [e["cause"] for e in ended] == ["disk_full"]  # no restart into a full disk
+    assert "No space left on device" in ended[0]["detail"] and "bytes free" in ended[0]["detail"]
+    assert "file system /" in ended[0]["detail"]
+    reason = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
+    assert reason.startswith("disk full: ") and "free space" in reason and "--resume" in reason
+    assert events(sup.run, EV.ATTEMPT_FAILED)[0]["cls"] == "disk_full" and backend.stops == [0]
+    assert not events(sup.run, EV.ATTEMPT_HANG)  # found in the log, long before the hang timeout
+
+
+def test_an_unwritable_run_directory_stops_the_attempt_with_one_diagnosis(tmp_path):
+    from rkit.errors import RunDirUnwritable
+
+    sup, backend = make(tmp_path, Script())
+    real_emit = sup.run.emit
+
+    def emit(name, /, **fields):
+        if name == EV.ATTEMPT_FIRST_STEP:  # the events file's file system is full from here on
+            sup.run.events_file.unlink()
+            sup.run.events_file.symlink_to("/dev/full")
+        return real_emit(name, **fields)
+
+    sup.run.emit = emit
+    with pytest.raises(RunDirUnwritable) as caught:
+        attempt(sup)
+    message = str(caught.value)
+    assert "events.jsonl: cannot write: No space left on device (file system" in message and "--resume" in message
+    assert backend.stops == [0]  # no rank runs on without its supervisor's records
+    assert caught.value.exit_code == 1
+
+
+def test_a_refused_atomic_write_leaves_no_temp_file(tmp_path):
+    from rkit.errors import RunDirUnwritable
+    from rkit.rundir import write_json_atomic
+
+    target = tmp_path / "attempt.json"
+    (tmp_path / ".attempt.json.tmp").symlink_to("/dev/full")
+    with pytest.raises(RunDirUnwritable, match="No space left on device"):
+        write_json_atomic(target, {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

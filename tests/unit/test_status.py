@@ -91,3 +91,12 @@ def test_a_cut_final_line_reads_the_state_from_what_is_committed(run: RunDir):
     (run.orbax_dir / str(final) / "commit_success.txt").write_text("ok")
     s = run_status.status(run)
     assert s["state"] == "finished" and "the final step is committed" in s["reason"]
+
+
+def test_disk_low_and_disk_full_are_shown(run: RunDir):
+    run.emit("disk.low", attempt=2, node="n1", fs="checkpoints", path="/ckpt", free_bytes=1024, total_bytes=10**6,
+             fraction=0.001024, threshold=0.05)
+    s = run_status.status(run)
+    assert s["disk_low"][0]["fs"] == "checkpoints" and s["disk_low"][0]["free_bytes"] == 1024
+    text = run_status.render_status(s)
+    assert "disk low   checkpoints (/ckpt) on n1 in attempt 2: 1024 bytes free, 0.10% (threshold 5%)" in text

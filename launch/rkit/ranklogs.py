@@ -1,0 +1,67 @@
+"""What the ranks' logs say, for a diagnosis the exit codes cannot give: a write that failed for space (a
+checkpoint save) and a rank's last error lines. Read incrementally, at most every `every` seconds: logs grow
+for days and live on a shared file system."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+# Orbax/TensorStore report a failed write as RESOURCE_EXHAUSTED ("Error writing ..."); Python and the C library
+# as ENOSPC / EDQUOT. XLA's out-of-memory is RESOURCE_EXHAUSTED too, but never about writing.
+DISK_FULL = re.compile(rb"No space left on device|Disk quota exceeded|\[Errno 28\]|\[Errno 122\]"
+                       rb"|RESOURCE_EXHAUSTED[^\n]*(?:[Ee]rror writing|[Ww]rite|[Nn]o space|[Qq]uota)")
+MAX_READ = 1 << 20  # per log and look: a burst of output is read over several looks
+
+
+class LogScan:
+    def __init__(self, paths: list[Path], clock: Callable[[], float], every: float = 1.0):
+        self.paths = list(paths)
+        self.clock = clock
+        self.every = every
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+        self._next = 0.0
+        self.found: str | None = None
+
+    def disk_full(self, force: bool = False) -> str | None:
+        """The first log line that says a write failed for space, once one was written."""
+        if self.found is not None:
+            return self.found
+        now = self.clock()
+        if not force and now < self._next:
+            return None
+        self._next = now + self.every
+        for path in self.paths:
+            for line in self._new_lines(path):
+                if DISK_FULL.search(line):
+                    self.found = line.decode("utf-8", "replace").strip()[:400]
+                    return self.found
+        return None
+
+    def _new_lines(self, path: Path) -> list[bytes]:
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(self._offsets.get(path, 0))
+                chunk = fh.read(MAX_READ)
+                self._offsets[path] = fh.tell()
+        except OSError:
+            return []
+        parts = (self._partial.get(path, b"") + chunk).split(b"\n")
+        self._partial[path] = parts.pop()[-MAX_READ:]
+        return parts
+
+
+def last_error_lines(path: Path, lines: int = 5, tail_bytes: int = 65536) -> list[str]:
+    """A rank's last lines that look like an error (a Python exception, an absl/XLA error), newest last."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    hits = [line.strip() for line in text.splitlines()
+            if re.search(r"Error|Exception|RESOURCE_EXHAUSTED|DATA_LOSS|NOT_FOUND|Traceback|^E\d{4} ", line)]
+    return [h[:300] for h in hits[-lines:]]
