@@ -55,10 +55,11 @@ class Cause(enum.Enum):
     LAUNCH_ERROR = "launch_error"    # the processes could not be started
     LOST = "lost"                    # the attempt's supervisor died with it (batch host lost, machine lost)
     DISK_FULL = "disk_full"          # a write failed for space (a checkpoint save): no restart into a full disk
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the step resumed from could not be restored: quarantined
 
     @property
     def infrastructure(self) -> bool:
-        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST)
+        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST, Cause.CORRUPT_CHECKPOINT)
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,8 @@ class Observation:
     inject_sigterm: str | None = None  # an injected preemption whose step was reached (its spec)
     hang: Hang | None = None
     disk_full: str | None = None  # a rank's log line saying a write failed for space, with the file system
+    restore_failed: str | None = None  # before the first step of a resumed attempt: the rank's restore errors
+    resumed_from: int | None = None
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
     final_step: int = 0
     final_committed: bool = False  # read once every rank has exited
@@ -285,6 +288,9 @@ def classify(obs: Observation) -> Ending | None:
         return Ending(Cause.INTERRUPTED, "interrupted by the user", Stop.GRACE)
     if obs.disk_full:  # a save that failed for space never succeeds on retry, and its trainer may sit forever
         return Ending(Cause.DISK_FULL, f"disk full: {obs.disk_full}", Stop.NOW, step=obs.step)
+    if obs.restore_failed:  # its peers would wait in jax.distributed's shutdown barrier for minutes
+        return Ending(Cause.CORRUPT_CHECKPOINT, f"the checkpoint of step {_fmt(obs.resumed_from)} could not be "
+                                                f"restored: {obs.restore_failed}", Stop.NOW, step=obs.resumed_from)
     if obs.preempt:
         return Ending(Cause.PREEMPTED, f"{obs.preempt} at step {_fmt(obs.step)} (time limit or preemption)",
                       Stop.SAVE, step=obs.step, requeue=True)

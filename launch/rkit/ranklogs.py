@@ -15,7 +15,17 @@ DISK_FULL = re.compile(rb"No space left on device|Disk quota exceeded|\[Errno 28
 MAX_READ = 1 << 20  # per log and look: a burst of output is read over several looks
 
 
+# A restore that failed: TensorStore's DATA_LOSS/NOT_FOUND on a checkpoint's files, Orbax's own errors, MaxText
+# refusing a step directory it cannot use.
+RESTORE_FAILED = re.compile(rb"DATA_LOSS|Error reading shard|NOT_FOUND: [^\n]*(?:ocdbt|checkpoint|orbax)"
+                            rb"|[Ff]ailed to restore|checkpoint already exists")
+PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED}
+
+
 class LogScan:
+    """The ranks' logs, read where the last look stopped: the first line of each kind (PATTERNS), and the log
+    it is in."""
+
     def __init__(self, paths: list[Path], clock: Callable[[], float], every: float = 1.0):
         self.paths = list(paths)
         self.clock = clock
@@ -23,22 +33,26 @@ class LogScan:
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, bytes] = {}
         self._next = 0.0
-        self.found: str | None = None
+        self.found: dict[str, tuple[str, Path]] = {}
+
+    def scan(self, force: bool = False) -> dict[str, tuple[str, Path]]:
+        now = self.clock()
+        if force or now >= self._next:
+            self._next = now + self.every
+            for path in self.paths:
+                for line in self._new_lines(path):
+                    for kind, pattern in PATTERNS.items():
+                        if kind not in self.found and pattern.search(line):
+                            self.found[kind] = (line.decode("utf-8", "replace").strip()[:400], path)
+        return self.found
 
     def disk_full(self, force: bool = False) -> str | None:
         """The first log line that says a write failed for space, once one was written."""
-        if self.found is not None:
-            return self.found
-        now = self.clock()
-        if not force and now < self._next:
-            return None
-        self._next = now + self.every
-        for path in self.paths:
-            for line in self._new_lines(path):
-                if DISK_FULL.search(line):
-                    self.found = line.decode("utf-8", "replace").strip()[:400]
-                    return self.found
-        return None
+        hit = self.scan(force).get("disk_full")
+        return hit[0] if hit else None
+
+    def restore_failed(self, force: bool = False) -> tuple[str, Path] | None:
+        return self.scan(force).get("restore_failed")
 
     def _new_lines(self, path: Path) -> list[bytes]:
         try:

@@ -20,7 +20,7 @@ from .telemetry.stragglers import SKIP_STEPS, find_stragglers, straggler_events
 
 FAULT_EVENTS = (EV.INJECT_FIRED, EV.ATTEMPT_FAILED, EV.ATTEMPT_HANG, EV.PREEMPT_REQUESTED, EV.PREEMPT_SAVED,
                 EV.PREEMPT_UNSAVED, EV.PREEMPT_ESCALATED, EV.NODES_EXCLUDED, EV.JOB_REQUEUED, EV.DISK_LOW,
-                EV.NODE_STRAGGLER, EV.ATTEMPT_NO_NODES)
+                EV.NODE_STRAGGLER, EV.ATTEMPT_NO_NODES, EV.CHECKPOINT_QUARANTINED)
 PLOTS = {"loss": "loss", "tokens_per_sec": "tokens/s (all processes)", "step_time": "step time (s)"}
 
 

@@ -50,6 +50,7 @@ class EV:
     NODE_STRAGGLER = "node.straggler"
     INJECT_FIRED = "inject.fired"
     DISK_LOW = "disk.low"
+    CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
 
 
 def filesystem(path: Path) -> tuple[str, int | None]:

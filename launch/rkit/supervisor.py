@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .attemptrecord import close_record, refuse_if_alive, started_at
 from .backends.base import Backend, Handle, NotEnoughNodes, RankExit
 from .config import Config
 from .errors import RkitError
@@ -36,7 +37,7 @@ from .policy import (
     decide,
     tally_from_events,
 )
-from .ranklogs import LogScan
+from .ranklogs import LogScan, last_error_lines
 from .rundir import EV, RunDir, filesystem, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
 from .telemetry.stragglers import StragglerWatch
@@ -167,6 +168,7 @@ class Supervisor:
         attempt = self.next_attempt_number()
         attempt_dir = self.run.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=False)
+        self._check_checkpoints()
         committed_before = maxtext.latest_committed_step(self.run)
         progress.attempt, progress.committed, progress.step = attempt, committed_before, committed_before
         progress.message = f"attempt {attempt}: starting"
@@ -206,17 +208,19 @@ class Supervisor:
         info["nodes"] = self.backend.nodes(handle)
         info["pids"] = handle.pids()
         info["host"] = socket.gethostname()
-        info["pid_started"] = {name: _started(pid) for name, pid in info["pids"].items()}
+        info["pid_started"] = {name: started_at(pid) for name, pid in info["pids"].items()}
         write_json_atomic(self.run.attempt_record(attempt), info)
         self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                       nodes=info["nodes"], processes=self.processes, injections=info["injections"])
 
         try:
-            ending = self._watch(handle, attempt, AttemptWatch(self, attempt, started, tails, progress),
-                                 info["nodes"], sigterm_at)
+            watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before)
+            ending = self._watch(handle, attempt, watch, info["nodes"], sigterm_at)
         except BaseException:  # the supervisor itself failed (an unwritable run directory): no rank runs on
             self.backend.stop(handle, grace=0)
             raise
+        if ending.cause is Cause.CORRUPT_CHECKPOINT and committed_before is not None:
+            self._quarantine(committed_before, ending.detail)
         committed_after = maxtext.latest_committed_step(self.run)
         too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
         requeue = ending.requeue or too_few
@@ -272,6 +276,7 @@ class Supervisor:
             inject_sigterm=(sigterm_at.spec if sigterm_at is not None and step is not None
                             and step >= sigterm_at.step else None),
             hang=hang, disk_full=watch.disk_full(force=failed or hang is not None),
+            restore_failed=watch.restore_failed(force=failed or hang is not None), resumed_from=watch.resumed_from,
             stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
             final_step=self.config.trainer.final_step,
             final_committed=everyone_exited and not failed and self.final_committed())
@@ -326,6 +331,20 @@ class Supervisor:
         self.backend.request_save(handle)
         return self.clock() + self._grace
 
+    def _check_checkpoints(self) -> None:
+        """Before every attempt: a step directory MaxText would see but could not restore from is moved aside, so
+        the attempt resumes from the previous good step (rkit's idea of committed and MaxText's agree)."""
+        for step, path in sorted(maxtext.step_dirs(self.run).items(), reverse=True):
+            problem = maxtext.step_problem(path)
+            if problem is not None:
+                self._quarantine(step, problem)
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        target = maxtext.quarantine(self.run, step)
+        if target is not None:
+            self.run.emit(EV.CHECKPOINT_QUARANTINED, step=step, reason=reason,
+                          moved_to=str(target.relative_to(self.run.path)))
+
     def _exclude(self, nodes: list[str]) -> bool:
         """Keep failed nodes out of the next step; True when too few healthy nodes are left (requeue)."""
         exclude = self.backend.exclude
@@ -353,6 +372,7 @@ class AttemptWatch:
     started: float  # wall clock, for attempt.first_step
     tails: dict[int, MetricsTail]
     progress: Progress
+    resumed_from: int | None = None
     first_step_seen: bool = False
 
     def __post_init__(self) -> None:
@@ -371,6 +391,17 @@ class AttemptWatch:
             return None
         mount, free = filesystem(self.sup.run.orbax_dir)
         return f"{line} (file system {mount}: {'?' if free is None else free} bytes free)"
+
+    def restore_failed(self, force: bool) -> str | None:
+        """Before a resumed attempt's first step: the failing rank's last error lines."""
+        if self.first_step_seen or self.resumed_from is None:
+            return None
+        hit = self.logs.restore_failed(force)
+        if hit is None:
+            return None
+        line, log = hit
+        lines = last_error_lines(log) or [line]
+        return f"{log.name}: " + " | ".join(lines)
 
     def read(self) -> None:
         sup, progress = self.sup, self.progress
@@ -392,52 +423,6 @@ class AttemptWatch:
 
     def last_steps(self) -> dict[int, int | None]:
         return {rank: tail.last.step if tail.last else None for rank, tail in self.tails.items()}
-
-
-def _started(pid: int) -> float | None:
-    """A process's start time: with the host, it tells the recorded process from a later one with its pid."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def alive_processes(record: dict) -> dict[str, int]:
-    """The recorded processes of an attempt that still run on this host (same pid and start time)."""
-    if record.get("host") != socket.gethostname():
-        return {}
-    started = record.get("pid_started") or {}
-    return {name: pid for name, pid in (record.get("pids") or {}).items()
-            if started.get(name) is not None and _started(pid) == started[name]}
-
-
-def refuse_if_alive(run: RunDir, attempt: int) -> None:
-    """Never two sets of trainers on one run: a lost attempt whose processes still run is refused by name."""
-    try:
-        record = json.loads(run.attempt_record(attempt).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    alive = alive_processes(record)
-    if alive:
-        pids = ", ".join(f"{name} pid {pid}" for name, pid in sorted(alive.items()))
-        groups = " ".join(f"-{pid}" for pid in sorted(alive.values()))
-        raise RkitError(f"{run.path}: attempt {attempt} is still running without its supervisor ({pids} on "
-                        f"{record['host']}); two sets of trainers would write the same checkpoints. Stop them "
-                        f"first (kill -TERM -- {groups}), then run again with --resume.")
-
-
-def close_record(run: RunDir, attempt: int, outcome: Outcome) -> None:
-    """A lost attempt's attempt.json says how it ended, like any other's."""
-    path = run.attempt_record(attempt)
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    record.update({"ended": time.time(), "cause": outcome.cause.value, "detail": outcome.detail,
-                   "committed_step": outcome.committed_after})
-    write_json_atomic(path, record)
 
 
 def default_jax_cache_dir() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged, read_rank
 
-from ..conftest import TINY, require_maxtext, rkit, wait_until
+from ..conftest import TINY, missing_test_bed, require_maxtext, rkit, wait_until
 
 pytestmark = [pytest.mark.maxtext, pytest.mark.slow]
 
@@ -228,6 +229,40 @@ def test_supervisor_sigkill_ends_its_trainers_and_resume_finishes(workspace: Pat
     assert (ended[0]["attempt"], ended[0]["cause"]) == (1, "lost") and ended[-1]["cause"] == "completed"
     assert json.loads(run.attempt_record(1).read_text())["cause"] == "lost"  # closed in the record too
     assert final_loss(run) == final_loss(baseline)
+
+
+def test_disk_full_on_the_checkpoint_file_system_stops_with_the_diagnosis(workspace: Path):
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        missing_test_bed("a small tmpfs for the checkpoints needs root (mount -t tmpfs); make test runs as root")
+    argv = [sys.executable, "-m", "rkit.cli", "run", str(TINY), "-o", "name=diskfull", *SHORT]
+    proc = subprocess.Popen(argv, cwd=workspace, env=dict(os.environ, **ENV), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    run = RunDir(workspace / "runs" / "diskfull")
+    mount = run.path / "checkpoints"  # MaxText's output directory: Orbax saves under it
+    mounted = False
+    try:
+        wait_until(lambda: run.path.is_dir() or proc.poll() is not None, 120, "the run directory", every=0.01)
+        mount.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
+        mounted = True
+        wait_until(lambda: len(merged(run, rank=0)) >= 12 or proc.poll() is not None, 300, "step 12", every=0.05)
+        assert proc.poll() is None, proc.communicate()
+        (mount / "ballast").write_bytes(b"\0" * (shutil.disk_usage(mount).free - 64 * 1024))  # step 20 cannot fit
+        filled = time.time()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if mounted:
+            subprocess.run(["umount", "-l", str(mount)], check=False)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    ended = events(run, "attempt.ended")
+    assert [e["cause"] for e in ended] == ["disk_full"]  # no restart into a full disk, no hang timeout
+    assert f"file system {mount}:" in ended[0]["detail"] and "bytes free" in ended[0]["detail"]
+    s = status_json(run)
+    assert s["state"] == "gave up" and s["reason"].startswith("disk full: ") and "--resume" in s["reason"]
+    print(f"disk full -> diagnosis: {ended[0]['t'] - filled:.1f} s")
 
 
 def test_hang_is_detected_dumped_and_replaced(workspace: Path, baseline: RunDir):

@@ -42,6 +42,7 @@ class FakeHandle(Handle):
     step: dict[int, int] = field(default_factory=dict)  # each live rank's last completed step
     silent: set[int] = field(default_factory=set)  # hung ranks: alive, no progress
     saving: bool = False
+    polled: bool = False
 
     def pids(self) -> dict[str, int]:
         return {str(r): 10_000 + r for r in self.step}
@@ -96,6 +97,14 @@ class FakeBackend:
             commit(self.run, step)
 
     def poll(self, handle: FakeHandle) -> dict[int, RankExit]:
+        if not handle.polled:
+            handle.polled = True
+            if self.script.at("restorefail", handle.attempt, -1):  # rank 0 logs the restore error and waits
+                log = self.run.rank_log(handle.attempt, 0)
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text("I1130 restoring\nE1130 ValueError: DATA_LOSS: Error reading shard entry "
+                               "d/7f3a: file missing\n")
+                handle.silent.add(0)
         for rank in list(handle.step):
             if rank in handle.exits or handle.silent:  # a silent rank blocks its peers in the next collective
                 continue
@@ -353,3 +362,50 @@ def test_a_refused_atomic_write_leaves_no_temp_file(tmp_path):
     with pytest.raises(RunDirUnwritable, match="No space left on device"):
         write_json_atomic(target, {"a": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_fails_to_restore_is_quarantined_and_the_previous_one_used(tmp_path):
+    sup, backend = make(tmp_path, Script(kill=(1, 9), restorefail=(2, -1)))
+    assert sup.run_to_end() is RunState.FINISHED
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert [e["cause"] for e in ended] == ["task_signal", "corrupt_checkpoint", "completed"]
+    assert "the checkpoint of step 8 could not be restored: rank-0.log: " in ended[1]["detail"]
+    assert "DATA_LOSS: Error reading shard entry" in ended[1]["detail"]
+    quarantined = events(sup.run, EV.CHECKPOINT_QUARANTINED)
+    assert [(q["step"], q["moved_to"]) for q in quarantined] == [(8, "checkpoints/quarantine/8")]
+    assert [e["resume_from_step"] for e in events(sup.run, EV.ATTEMPT_STARTED)] == [None, 8, 4]
+    assert not events(sup.run, EV.ATTEMPT_HANG) and (sup.run.checkpoints / "quarantine" / "8").is_dir()
+
+
+def test_a_step_directory_without_its_commit_marker_is_moved_aside_before_the_attempt(tmp_path):
+    sup, _ = make(tmp_path, Script())
+    commit(sup.run, 4)
+    (sup.run.orbax_dir / "8" / "items").mkdir(parents=True)  # the markers are gone: MaxText would still see it
+    (sup.run.orbax_dir / "9.orbax-checkpoint-tmp-123").mkdir()  # Orbax's own temporary: not ours to touch
+    assert sup.run_to_end() is RunState.FINISHED
+    quarantined = events(sup.run, EV.CHECKPOINT_QUARANTINED)
+    assert [q["step"] for q in quarantined] == [8] and "no commit marker" in quarantined[0]["reason"]
+    assert events(sup.run, EV.ATTEMPT_STARTED)[0]["resume_from_step"] == 4
+    assert (sup.run.orbax_dir / "9.orbax-checkpoint-tmp-123").is_dir()
+
+
+def test_orbax_files_that_a_restore_needs_are_checked(tmp_path):
+    from rkit.trainers.maxtext import step_problem
+
+    step = tmp_path / "20"
+    proc = step / "items" / "ocdbt.process_0"
+    (proc / "d").mkdir(parents=True)
+    (proc / "d" / "a1b9").write_bytes(b"x")
+    (proc / "manifest.ocdbt").write_bytes(b"m")
+    (step / "items" / "manifest.ocdbt").write_bytes(b"m")
+    (step / "items" / "_METADATA").write_text("{}")
+    (step / "_CHECKPOINT_METADATA").write_text(json.dumps({"item_handlers": {"items": "PyTreeHandler"}}))
+    assert step_problem(step) is None
+    (proc / "d" / "a1b9").unlink()
+    assert step_problem(step) == "items/ocdbt.process_0/d holds no data files"
+    (proc / "manifest.ocdbt").unlink()
+    assert step_problem(step) == "items/ocdbt.process_0/manifest.ocdbt is missing"
+    (step / "items" / "_METADATA").unlink()
+    assert step_problem(step) == "items/_METADATA is missing"
+    (step / "_CHECKPOINT_METADATA").write_text("{cut")
+    assert step_problem(step) == "_CHECKPOINT_METADATA is unreadable"

@@ -172,9 +172,10 @@ def test_a_lost_attempt_whose_processes_still_run_is_refused(tmp_path):
     import subprocess
     import sys
 
+    from rkit.attemptrecord import refuse_if_alive
+    from rkit.attemptrecord import started_at as _started
     from rkit.errors import RkitError
     from rkit.rundir import RunDir, write_json_atomic
-    from rkit.supervisor import _started, refuse_if_alive
 
     run = RunDir(tmp_path / "run")
     run.attempt_dir(1).mkdir(parents=True)

@@ -93,6 +93,61 @@ def latest_committed_step(run: RunDir) -> int | None:
     return steps[-1] if steps else None
 
 
+def step_dirs(run: RunDir) -> dict[int, Path]:
+    """Every step directory MaxText would see (committed or not); Orbax's temporary ones excluded."""
+    try:
+        entries = list(os.scandir(run.orbax_dir))
+    except FileNotFoundError:
+        return {}
+    return {int(e.name): Path(e.path) for e in entries
+            if e.is_dir() and TMP_MARKER not in e.name and e.name.isascii() and e.name.isdigit()}
+
+
+def step_problem(path: Path) -> str | None:
+    """Why MaxText could not restore this step directory, as far as Orbax's own files show it; None when they
+    are all there. Orbax writes: _CHECKPOINT_METADATA (the item handlers, the commit time) and, per item, its
+    _METADATA, and for OCDBT the root manifest.ocdbt and each process's ocdbt.process_<i>/manifest.ocdbt with
+    its data files under d/. (A data file lost among several is only found by the restore itself: see
+    ranklogs.RESTORE_FAILED.)"""
+    meta = path / "_CHECKPOINT_METADATA"
+    if not meta.is_file() and not (path / "commit_success.txt").is_file():
+        return "no commit marker (_CHECKPOINT_METADATA or commit_success.txt): the save never finished"
+    try:
+        handlers = json.loads(meta.read_text(encoding="utf-8")).get("item_handlers") if meta.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return "_CHECKPOINT_METADATA is unreadable"
+    for item in sorted(handlers or {}):
+        item_dir = path / item
+        if not item_dir.is_dir():
+            return f"item {item!r} is missing"
+        if not (item_dir / "_METADATA").is_file():
+            return f"{item}/_METADATA is missing"
+        if (item_dir / "manifest.ocdbt").is_file():
+            for proc in sorted(item_dir.glob("ocdbt.process_*")):
+                if not (proc / "manifest.ocdbt").is_file():
+                    return f"{item}/{proc.name}/manifest.ocdbt is missing"
+                data = proc / "d"
+                if not data.is_dir() or not any(data.iterdir()):
+                    return f"{item}/{proc.name}/d holds no data files"
+    return None
+
+
+def quarantine(run: RunDir, step: int) -> Path | None:
+    """Move a step directory MaxText must not restore from to checkpoints/quarantine/<step>[-n]; kept for a
+    post-mortem, out of Orbax's sight."""
+    source = run.orbax_dir / str(step)
+    if not source.is_dir():
+        return None
+    target = run.checkpoints / "quarantine" / str(step)
+    n = 2
+    while target.exists():
+        target = run.checkpoints / "quarantine" / f"{step}-{n}"
+        n += 1
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(source, target)
+    return target
+
+
 def resolve_base_config(name: str) -> str:
     """A path as given, else a file inside the installed MaxText's configs directory."""
     if os.path.isfile(name):
