@@ -265,6 +265,37 @@ def test_disk_full_on_the_checkpoint_file_system_stops_with_the_diagnosis(worksp
     print(f"disk full -> diagnosis: {ended[0]['t'] - filled:.1f} s")
 
 
+@pytest.mark.parametrize("damage", ["data_file", "markers"])
+def test_a_corrupt_newest_checkpoint_falls_back_and_finishes(workspace: Path, baseline: RunDir, damage: str):
+    # Attempt 1 ends at step 25 with steps 0, 10 and 20 committed; no restart is allowed, so it stops there.
+    name = f"corrupt-{damage}"
+    budget = ["-o", "resilience.max_restarts=0"]
+    run = run_tiny(workspace, name, *budget, "--inject", "exit:rank=0,step=25,code=3", expect=1)
+    step20 = run.orbax_dir / "20"
+    assert step20.is_dir()
+    if damage == "data_file":  # one data file lost: only the restore itself can tell
+        victim = max((step20 / "items" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+        victim.unlink()
+    else:  # the commit markers lost: rkit and MaxText must agree that the step is not there
+        (step20 / "_CHECKPOINT_METADATA").unlink()
+        (step20 / "commit_success.txt").unlink(missing_ok=True)
+    resumed = time.time()
+    rkit("run", str(TINY), "-o", f"name={name}", *SHORT, *budget, "--resume", cwd=workspace, env=ENV, check=0)
+    quarantined = events(run, "checkpoint.quarantined")
+    assert [q["step"] for q in quarantined] == [20] and (run.checkpoints / "quarantine" / "20").is_dir()
+    ended = events(run, "attempt.ended")
+    if damage == "data_file":
+        assert [e["cause"] for e in ended] == ["task_exit", "corrupt_checkpoint", "completed"]
+        assert "the checkpoint of step 20 could not be restored: rank-" in ended[1]["detail"]
+        print(f"corrupt checkpoint -> diagnosis: {ended[1]['t'] - resumed:.1f} s after --resume")
+    else:
+        assert [e["cause"] for e in ended] == ["task_exit", "completed"]
+        assert "no commit marker" in quarantined[0]["reason"]
+    starts = [e["resume_from_step"] for e in events(run, "attempt.started")]
+    assert starts[-1] == 10
+    assert final_loss(run) == final_loss(baseline)
+
+
 def test_hang_is_detected_dumped_and_replaced(workspace: Path, baseline: RunDir):
     # rank 1 stops (SIGSTOP) at step 15; rank 0 then blocks in its next collective: nothing advances.
     run = run_tiny(workspace, "hang", "--inject", "hang:rank=1,step=15", "-o", "resilience.hang_timeout=10")
