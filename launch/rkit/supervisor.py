@@ -205,15 +205,14 @@ class Supervisor:
             handle = self.backend.submit(request)
         except OSError as exc:
             return Outcome(Cause.LAUNCH_ERROR, committed_before, committed_before, f"{exc}")
-        info["nodes"] = self.backend.nodes(handle)
-        info["pids"] = handle.pids()
-        info["host"] = socket.gethostname()
-        info["pid_started"] = {name: started_at(pid) for name, pid in info["pids"].items()}
-        write_json_atomic(self.run.attempt_record(attempt), info)
-        self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
-                      nodes=info["nodes"], processes=self.processes, injections=info["injections"])
-
         try:
+            info["nodes"] = self.backend.nodes(handle)
+            info["pids"] = handle.pids()
+            info["host"] = socket.gethostname()
+            info["pid_started"] = {name: started_at(pid) for name, pid in info["pids"].items()}
+            write_json_atomic(self.run.attempt_record(attempt), info)
+            self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
+                          nodes=info["nodes"], processes=self.processes, injections=info["injections"])
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before)
             ending = self._watch(handle, attempt, watch, info["nodes"], sigterm_at)
         except BaseException:  # the supervisor itself failed (an unwritable run directory): no rank runs on
