@@ -239,6 +239,17 @@ class RunDir:
         """The supervisor creates this file to ask every rank of the attempt to save and stop."""
         return self.attempt_dir(attempt) / "preempt"
 
+    def telemetry_log(self, attempt: int, node: str) -> Path:
+        """The output of a node's telemetry process (sampler and exporter) in one attempt."""
+        return self.attempt_dir(attempt) / f"telemetry-{node}.log"
+
+    # ------------------------------------------------------------ the run's other files
+
+    quarantine_dir = property(lambda self: self.checkpoints / "quarantine")  # steps MaxText must not restore
+    report_dir = property(lambda self: self.path / "report")  # rkit report's default output
+    batch_script = property(lambda self: self.path / "job.sbatch")  # the rendered Slurm batch script
+    batch_log_pattern = property(lambda self: self.path / "slurm-%j.out")  # sbatch --output (%j: the job id)
+
     # ------------------------------------------------------------ telemetry
 
     telemetry_dir = property(lambda self: self.path / "telemetry")
@@ -281,7 +292,8 @@ class RunDir:
     def _load_object(path: Path, how: str) -> dict:
         """A JSON object file of the run; a damaged one is a clear error (exit 2), never a traceback."""
         try:
-            value = json.loads(path.read_bytes().decode("utf-8"))
+            with open(path, "rb") as fh:
+                value = json.loads(fh.read().decode("utf-8"))
         except OSError as exc:
             raise RkitError(f"{path}: cannot be read: {exc.strerror}.") from None
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:

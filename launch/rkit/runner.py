@@ -65,7 +65,7 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
 
 def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: ImageIdentity | None,
           extra: dict) -> None:
-    (run.path / "attempts").mkdir()
+    run.attempts_dir.mkdir()
     run.metrics_dir.mkdir()
     run.recipe.write_text(recipe.text, encoding="utf-8")
     write_json_atomic(run.resolved, recipe.resolved)
@@ -242,7 +242,7 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
     resolved = {**resolved, "name": new_name, "runs_dir": str(src.path.parent)}
     text = (f"# reproduced from {src.path} (config hash {stamp.get('config_hash')})\n"
             + yaml.safe_dump(resolved, sort_keys=True))
-    recipe = parse_recipe(str(src.path / "resolved.json"), text)
+    recipe = parse_recipe(str(src.resolved), text)
     expected = stamp.get("image", {}).get("sha256")
     extra: dict = {"reproduced_from": {"run": str(src.path.resolve()), "config_hash": stamp.get("config_hash"),
                                        "image_sha256": expected, "git": stamp.get("host", {}).get("git")}}

@@ -314,7 +314,7 @@ def print_log(run: RunDir, *, rank: int, attempt: int | None, follow: bool, echo
     if not numbers:
         raise RkitError(f"{run.path}: no attempts yet.")
     n = numbers[-1] if attempt is None else attempt
-    path = run.attempt_dir(n) / f"rank-{rank}.log"
+    path = run.rank_log(n, rank)
     if not path.exists():
         raise RkitError(f"{path}: no such log (attempts: {', '.join(map(str, numbers))}; ranks start at 0).")
     with open(path, encoding="utf-8", errors="replace") as fh:

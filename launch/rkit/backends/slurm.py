@@ -22,8 +22,6 @@ from ..errors import RkitError
 from ..rundir import RunDir
 from .base import Handle, NotEnoughNodes, RankExit
 
-BATCH_SCRIPT = "job.sbatch"
-
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
 # come from.
 OWNED_OPTIONS = {
@@ -71,9 +69,9 @@ def sbatch_options(config: Config) -> list[str]:
 def render_batch(run: RunDir, config: Config, python: str, sbatch: str = "sbatch") -> BatchRequest:
     """The batch script runs `rkit supervise RUN` with the given Python; everything else is sbatch argv."""
     run_path = run.path.resolve()
-    log = run_path / "slurm-%j.out"
-    argv = [sbatch, *sbatch_options(config), "--open-mode=append", f"--output={log}", f"--chdir={run_path}",
-            str(run_path / BATCH_SCRIPT)]
+    resolved_run = RunDir(run_path)
+    argv = [sbatch, *sbatch_options(config), "--open-mode=append", f"--output={resolved_run.batch_log_pattern}",
+            f"--chdir={run_path}", str(resolved_run.batch_script)]
     script = "\n".join([
         "#!/bin/bash",
         "# Rendered by rkit; submitted as (one argv item per line, never through a shell):",
@@ -83,7 +81,7 @@ def render_batch(run: RunDir, config: Config, python: str, sbatch: str = "sbatch
         f"exec {shlex.quote(python)} -m rkit.cli supervise {shlex.quote(str(run_path))}",
         "",
     ])
-    return BatchRequest(argv=argv, script=script, script_path=run_path / BATCH_SCRIPT)
+    return BatchRequest(argv=argv, script=script, script_path=resolved_run.batch_script)
 
 
 def _visible(text: str) -> str:

@@ -75,7 +75,7 @@ def start_node_services(run: RunDir, attempt: int, node: str | None = None, node
             return None
         node = node or node_name(env)
         index = node_index_from_env(launcher, env) if node_index is None else node_index
-        log = run.attempt_dir(attempt) / f"telemetry-{node}.log"
+        log = run.telemetry_log(attempt, node)
         log.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "rkit.telemetry.node", "--run", str(run.path), "--attempt", str(attempt),
                 "--node", node, "--node-index", str(index), "--parent-pid", str(os.getpid())]

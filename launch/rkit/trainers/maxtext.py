@@ -138,10 +138,10 @@ def quarantine(run: RunDir, step: int) -> Path | None:
     source = run.orbax_dir / str(step)
     if not source.is_dir():
         return None
-    target = run.checkpoints / "quarantine" / str(step)
+    target = run.quarantine_dir / str(step)
     n = 2
     while target.exists():
-        target = run.checkpoints / "quarantine" / f"{step}-{n}"
+        target = run.quarantine_dir / f"{step}-{n}"
         n += 1
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(source, target)
