@@ -13,11 +13,15 @@ from .rundir import RunDir, write_json_atomic
 
 
 def started_at(pid: int) -> float | None:
-    """A process's start time: with the host, it tells the recorded process from a later one with its pid."""
+    """A live process's start time (None for a dead or zombie one): with the host, it tells the recorded process
+    from a later one with its pid."""
     import psutil
 
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # dead, not yet reaped by whoever inherited it
+            return None
+        return process.create_time()
     except psutil.Error:
         return None
 

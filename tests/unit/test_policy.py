@@ -191,5 +191,12 @@ def test_a_lost_attempt_whose_processes_still_run_is_refused(tmp_path):
         sleeper.kill()
         sleeper.wait()
     refuse_if_alive(run, 1)  # gone: nothing to refuse
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = _started(zombie.pid)
+    while _started(zombie.pid) is not None:  # it exits; unreaped, it stays a zombie until wait()
+        os.sched_yield()
+    write_json_atomic(run.attempt_record(1), {**record, "pids": {"0": zombie.pid}, "pid_started": {"0": started}})
+    refuse_if_alive(run, 1)  # a zombie is dead: its supervisor's death killed it, nobody reaped it yet
+    zombie.wait()
     write_json_atomic(run.attempt_record(1), {**record, "host": "another-host"})
     refuse_if_alive(run, 1)  # another machine's processes cannot be checked from here
