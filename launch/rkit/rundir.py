@@ -53,12 +53,18 @@ class EV:
     CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
 
 
-def filesystem(path: Path) -> tuple[str, int | None]:
-    """The mount point that holds `path` (or its nearest existing parent) and the bytes an unprivileged writer
-    can still use there."""
+def nearest_existing(path: Path) -> Path:
+    """A directory that may not exist yet (the checkpoints) is on the file system of its nearest existing parent."""
     path = Path(path).absolute()
     while not path.exists() and path.parent != path:
         path = path.parent
+    return path
+
+
+def filesystem(path: Path) -> tuple[str, int | None]:
+    """The mount point that holds `path` (or its nearest existing parent) and the bytes an unprivileged writer
+    can still use there."""
+    path = nearest_existing(path)
     mount = path
     while not os.path.ismount(mount) and mount.parent != mount:
         mount = mount.parent

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from ..rundir import EV, RunDir, read_jsonl
+from ..rundir import EV, RunDir, nearest_existing, read_jsonl
 from .gpu import (  # noqa: F401 - the probes are named through this module too
     ABSENT,
     GPU_BACKEND_ENV,
@@ -33,17 +33,9 @@ DISK_LOW_EVENT = EV.DISK_LOW
 MIN_CPU_INTERVAL = 0.05  # seconds: a CPU percentage over a shorter window is noise
 
 
-def _existing(path: Path) -> Path:
-    """The checkpoint directory may not exist yet; its file system is that of the nearest parent that does."""
-    path = Path(path).absolute()
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
 def disk_usage(path: Path) -> dict[str, Any]:
     try:
-        usage = psutil.disk_usage(str(_existing(path)))
+        usage = psutil.disk_usage(str(nearest_existing(path)))
     except OSError:
         return {"path": str(path), "free_bytes": None, "total_bytes": None}
     # psutil's free is what an unprivileged writer (Orbax) can still use (f_bavail).
@@ -154,7 +146,7 @@ class HealthSampler:
 
 def _device(path: Path) -> int | None:
     try:
-        return os.stat(_existing(path)).st_dev
+        return os.stat(nearest_existing(path)).st_dev
     except OSError:
         return None
 
