@@ -224,8 +224,12 @@ class Supervisor:
         too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
         requeue = ending.requeue or too_few
         if ending.cause is Cause.PREEMPTED:
-            self.run.emit(EV.PREEMPT_SAVED if committed_after != committed_before else EV.PREEMPT_UNSAVED,
-                          attempt=attempt, committed_step=committed_after, step=progress.step)
+            # Saved means a checkpoint at or after the step the save was asked at: nothing is recomputed (a
+            # period save that committed meanwhile is not the preemption save).
+            saved = committed_after is not None and committed_after != committed_before and (
+                ending.step is None or committed_after >= ending.step)
+            self.run.emit(EV.PREEMPT_SAVED if saved else EV.PREEMPT_UNSAVED, attempt=attempt,
+                          committed_step=committed_after, requested_at_step=ending.step, step=progress.step)
         info.update({"ended": time.time(), "cause": ending.cause.value, "detail": ending.detail,
                      "committed_step": committed_after,
                      "exits": {str(r): e.as_record() for r, e in sorted(handle.exits.items())}})

@@ -73,12 +73,14 @@ class FakeBackend:
         self.all_nodes, self.per_step = list(nodes), per_step
         self.exclude: list[str] = []
         self.saves_requested = 0
+        self.saves_on_request = True  # False: the trainer stops at the sync point without saving
         self.stops: list[float] = []
 
     def prepare(self, *, attempt, processes, trainer_args, base_env, attempt_dir, cwd, port=None, host_env=None):
         if len(self.healthy_nodes()) < self.per_step:
             raise NotEnoughNodes(self.healthy_nodes(), self.exclude)
         assert any(a.startswith("checkpoint_period=") for a in trainer_args)
+        assert "enable_autocheckpoint=true" in trainer_args  # a SIGTERM saves at the sync point
         return FakeRequest(attempt, processes)
 
     def submit(self, request: FakeRequest) -> FakeHandle:
@@ -109,7 +111,8 @@ class FakeBackend:
             if rank in handle.exits or handle.silent:  # a silent rank blocks its peers in the next collective
                 continue
             if handle.saving:  # the preemption path: save where it is and exit 0
-                commit(self.run, handle.step[rank])
+                if self.saves_on_request:
+                    commit(self.run, handle.step[rank])
                 handle.exits[rank] = RankExit(rank, 0)
                 continue
             self._train(handle, rank)
@@ -275,6 +278,18 @@ def test_preemption_saves_and_requeues(tmp_path):
     requested = events(sup.run, EV.PREEMPT_REQUESTED)[0]
     assert requested["received"] == "SIGUSR1" and events(sup.run, EV.PREEMPT_SAVED)
     assert backend.stops == []  # the ranks saved and exited within the grace
+
+
+def test_a_preemption_that_saved_nothing_new_is_unsaved(tmp_path):
+    # MaxText without enable_autocheckpoint stopped at the sync point without saving; the period save of step 4
+    # committed meanwhile. That is not the preemption save: steps 5 and 6 are recomputed.
+    sup, backend = make(tmp_path, Script(preempt=(1, 6)))
+    backend.saves_on_request = False
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.PREEMPTED and outcome.committed_before is None and outcome.committed_after == 4
+    assert not events(sup.run, EV.PREEMPT_SAVED)
+    unsaved = events(sup.run, EV.PREEMPT_UNSAVED)[0]
+    assert unsaved["committed_step"] == 4 and unsaved["requested_at_step"] == 5
 
 
 def test_user_stop(tmp_path):

@@ -31,6 +31,7 @@ OWNED_KEYS = {
     "checkpoint_period": "checkpoint.period",
     "max_num_checkpoints_to_keep": "checkpoint.keep",
     "async_checkpointing": "checkpoint.async",
+    "enable_autocheckpoint": "nothing (rkit turns it on: a SIGTERM saves at the preemption sync point)",
     "jax_cache_dir": "the RKIT_JAX_CACHE_DIR environment variable",
     "skip_jax_distributed_system": "resources.processes_per_node (rkit sets up jax.distributed)",
 }
@@ -56,6 +57,8 @@ def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str) -> list[s
         "enable_checkpointing": True,
         "checkpoint_period": ckpt.period,
         "async_checkpointing": ckpt.asynchronous,
+        # Without it MaxText stops at the preemption sync point *without* saving (only period steps are saved).
+        "enable_autocheckpoint": True,
         "jax_cache_dir": jax_cache_dir,
     }
     if ckpt.keep:
