@@ -51,7 +51,9 @@ class AgentContext:
 
 
 def init_distributed(ctx: AgentContext) -> None:
-    if ctx.processes <= 1:
+    """jax.distributed for every attempt, one process too: its preemption service is what turns a SIGTERM into
+    a save at the sync point (without it a one-process run dies on SIGTERM and recomputes from the last period)."""
+    if not ctx.coordinator:
         return
     import jax
 

@@ -144,6 +144,19 @@ def test_sigterm_takes_the_preemption_path(workspace: Path, baseline: RunDir):
     assert run.load_manifest()["injections"][0]["spec"] == "sigterm:step=15"
 
 
+def test_a_one_process_run_saves_at_the_preemption_sync_point(workspace: Path):
+    # One process gets jax.distributed too: its preemption service turns the SIGTERM into a save at the sync
+    # point (without it the process died on SIGTERM and the next attempt recomputed from the period save).
+    run = run_tiny(workspace, "sigterm1", "--inject", "sigterm:step=30", "-o", "resources.processes_per_node=1",
+                   "-o", "trainer.steps=300", "-o", "checkpoint.period=100")
+    requested, ended = events(run, "preempt.requested")[0], events(run, "attempt.ended")
+    assert ended[0]["cause"] == "preempted" and ended[0]["decision"] == "restart"
+    assert events(run, "preempt.saved") and ended[0]["committed_step"] >= requested["step"]
+    assert "Reached preemption sync point" in run.rank_log(1, 0).read_text()
+    assert events(run, "attempt.started")[1]["resume_from_step"] == ended[0]["committed_step"]
+    assert status_json(run)["state"] == "finished"
+
+
 def test_deterministic_failure_stops_at_the_crash_loop_limit(workspace: Path, baseline: RunDir):
     run = run_tiny(workspace, "crashloop", "--inject", "exit:rank=0,step=15,code=3,repeat=true",
                    "-o", "resilience.crash_loop_limit=2", expect=1)
