@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     from absl import app
     from maxtext.trainers.pre_train import train
 
-    from .trainers.maxtext import rank_overrides, resolve_base_config
+    from .trainers.maxtext import keep_the_preemption_steps_metrics, rank_overrides, resolve_base_config
+
+    keep_the_preemption_steps_metrics()
 
     argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
             *rank_overrides(ctx.run, ctx.attempt, ctx.rank)]

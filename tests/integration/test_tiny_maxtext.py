@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rkit.rundir import RunDir
-from rkit.telemetry.metrics import merged, read_rank
+from rkit.telemetry.metrics import lines, merged, read_rank
 
 from ..conftest import TINY, missing_test_bed, require_maxtext, rkit, wait_until
 
@@ -48,6 +48,10 @@ def final_loss(run: RunDir) -> float:
     view = merged(run, rank=0)
     assert max(view) == 29, f"metrics stop at step {max(view)}"
     return view[29]["loss"]
+
+
+def trained_steps(run: RunDir, attempt: int) -> set[int]:
+    return {line["step"] for line in lines(run, 0) if line["attempt"] == attempt}
 
 
 def events(run: RunDir, kind: str) -> list[dict]:
@@ -136,6 +140,7 @@ def test_sigterm_takes_the_preemption_path(workspace: Path, baseline: RunDir):
         assert ended[0]["tally"]["infra_failures"] == 1  # a preemption spends the infrastructure budget
         # MaxText saved at the sync point (enable_autocheckpoint), not only at a period step: nothing recomputed.
         assert events(run, "preempt.saved") and ended[0]["committed_step"] >= requested[0]["step"]
+        assert ended[0]["committed_step"] in trained_steps(run, attempt=1)  # the saved step keeps its line
         started = events(run, "attempt.started")
         assert started[1]["resume_from_step"] == ended[0]["committed_step"] is not None
     else:
@@ -153,6 +158,7 @@ def test_a_one_process_run_saves_at_the_preemption_sync_point(workspace: Path):
     assert ended[0]["cause"] == "preempted" and ended[0]["decision"] == "restart"
     assert events(run, "preempt.saved") and ended[0]["committed_step"] >= requested["step"]
     assert "Reached preemption sync point" in run.rank_log(1, 0).read_text()
+    assert max(trained_steps(run, attempt=1)) == ended[0]["committed_step"]  # the saved step keeps its line
     assert events(run, "attempt.started")[1]["resume_from_step"] == ended[0]["committed_step"]
     assert status_json(run)["state"] == "finished"
 

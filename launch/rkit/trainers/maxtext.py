@@ -165,3 +165,35 @@ def resolve_base_config(name: str) -> str:
             return str(candidate)
     raise RkitError(f"trainer.base_config: {name!r} is neither a file nor a config shipped with MaxText "
                     f"(looked in {', '.join(spec.submodule_search_locations)}/configs).")
+
+
+def keep_the_preemption_steps_metrics() -> None:
+    """In the training environment, before MaxText's train.main: MaxText raises StopTraining inside the loop's
+    `maybe_save_checkpoint` at the preemption sync point, before that step's metrics are buffered, so the step
+    the save ends on had no metrics line. Defer the raise until the step's train metrics are buffered; MaxText's
+    final flush then writes them (an eval due at that step still runs first)."""
+    from maxtext.common import checkpointing, metric_logger
+    from maxtext.utils import exceptions
+
+    if getattr(checkpointing.maybe_save_checkpoint, "rkit_deferred", False):
+        return
+    pending: list[BaseException] = []
+    save, buffer = checkpointing.maybe_save_checkpoint, metric_logger.MetricLogger.buffer_and_write_metrics
+
+    def maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step=None):
+        try:
+            return save(checkpoint_manager, state, config, data_iterator, step)
+        except exceptions.StopTraining as exc:
+            if step is None:  # the save after the loop: no step's metrics follow
+                raise
+            pending.append(exc)
+            return None
+
+    def buffer_and_write_metrics(self, metrics, step, step_time_delta=None, is_training=True):
+        buffer(self, metrics, step, step_time_delta, is_training)
+        if pending and is_training:
+            raise pending.pop()
+
+    maybe_save_checkpoint.rkit_deferred = True  # type: ignore[attr-defined]
+    checkpointing.maybe_save_checkpoint = maybe_save_checkpoint
+    metric_logger.MetricLogger.buffer_and_write_metrics = buffer_and_write_metrics
