@@ -364,6 +364,8 @@ class Supervisor:
 
 
 HANG_GRACE_SECONDS = 10.0
+# Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
+FULL_BYTES = 1 << 20
 
 
 @dataclass
@@ -388,11 +390,16 @@ class AttemptWatch:
         self.logs = LogScan([sup.run.rank_log(self.attempt, r) for r in self.tails], time.monotonic)
 
     def disk_full(self, force: bool) -> str | None:
-        """A rank's log line saying a write failed for space, with the checkpoints' file system."""
+        """A rank's log line saying a write failed for space, with the checkpoints' file system; or, when a rank
+        failed or hung, that file system being full (its log may live there too and then says nothing)."""
         line = self.logs.disk_full(force)
-        if line is None:
+        if line is None and not force:
             return None
         mount, free = filesystem(self.sup.run.orbax_dir)
+        if line is None:
+            if free is None or free > FULL_BYTES:
+                return None
+            line = "a rank failed or stopped with no room left on the run directory's file system"
         return f"{line} (file system {mount}: {'?' if free is None else free} bytes free)"
 
     def restore_failed(self, force: bool) -> str | None:

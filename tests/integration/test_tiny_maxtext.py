@@ -50,6 +50,14 @@ def final_loss(run: RunDir) -> float:
     return view[29]["loss"]
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def trained_steps(run: RunDir, attempt: int) -> set[int]:
     return {line["step"] for line in lines(run, 0) if line["attempt"] == attempt}
 
@@ -283,6 +291,46 @@ def test_disk_full_on_the_checkpoint_file_system_stops_with_the_diagnosis(worksp
     s = status_json(run)
     assert s["state"] == "gave up" and s["reason"].startswith("disk full: ") and "--resume" in s["reason"]
     print(f"disk full -> diagnosis: {ended[0]['t'] - filled:.1f} s")
+
+
+def test_disk_full_on_the_whole_run_directory_stops_with_one_line_and_resumes(workspace: Path, baseline: RunDir):
+    # The run directory itself on a 16 MiB tmpfs, filled at step 12: the ranks' logs, metrics and the
+    # supervisor's own records cannot be written either.
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        missing_test_bed("a small tmpfs for the run directory needs root (mount -t tmpfs); make test runs as root")
+    runs = workspace / "full runs"
+    runs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(runs)], check=True)
+    try:
+        argv = [sys.executable, "-m", "rkit.cli", "run", str(TINY), "-o", "name=fullrun", "-o", f"runs_dir={runs}",
+                *SHORT]
+        proc = subprocess.Popen(argv, cwd=workspace, env=dict(os.environ, **ENV), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        run = RunDir(runs / "fullrun")
+        try:
+            wait_until(lambda: len(merged(run, rank=0)) >= 12 or proc.poll() is not None, 300, "step 12", every=0.05)
+            assert proc.poll() is None, proc.communicate()
+            (runs / "ballast").write_bytes(b"\0" * (shutil.disk_usage(runs).free - 64 * 1024))
+            filled = time.time()
+            out, err = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stopped = time.time()
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert "No space left on device" in last and f"(file system {runs}" in last and "--resume" in last
+        assert not [p for p in run.path.rglob("*.tmp")]  # nothing half-written
+        pids = json.loads(run.attempt_record(1).read_text())["pids"].values()
+        assert not [p for p in pids if running(p)]  # no rank trains on unsupervised
+        (runs / "ballast").unlink()
+        run_tiny(workspace, "fullrun", "-o", f"runs_dir={runs}", "--resume")
+        assert status_json(run)["state"] == "finished"
+        assert final_loss(run) == final_loss(baseline)
+        print(f"run directory full -> stopped: {stopped - filled:.1f} s")
+    finally:
+        subprocess.run(["umount", "-l", str(runs)], check=False)
 
 
 @pytest.mark.parametrize("damage", ["data_file", "markers"])
