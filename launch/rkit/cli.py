@@ -30,6 +30,15 @@ overrides_option = click.option("-o", "--override", "overrides", multiple=True, 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 
 
+def limits_options(fn):
+    """How far two outcomes may be apart and still agree (rkit compare, rkit reproduce)."""
+    fn = click.option("--threshold", type=click.FloatRange(0, 10), default=0.05, show_default=True,
+                      help="A metric may be worse by this fraction (0.05 = 5 %) before it counts; it counts only "
+                           "when its whole confidence interval is beyond it.")(fn)
+    return click.option("--loss-tolerance", type=click.FloatRange(0), default=0.0, show_default=True,
+                        help="Largest |loss A - loss B| per step that still agrees; 0 = bit-exact.")(fn)
+
+
 @click.group(cls=RkitGroup)
 @click.version_option(__version__, prog_name="rkit")
 def main() -> None:
@@ -138,18 +147,31 @@ def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
 @click.option("--name", help="Name of the new run (default: <name>-reproduce, next to RUN).")
 @click.option("--allow-drift", is_flag=True, help="Run even if the image differs; the drift is recorded.")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
-def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool) -> None:
-    """Relaunch RUN with its resolved config and the same image digest."""
-    from . import runner
+@limits_options
+def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool, loss_tolerance: float,
+              threshold: float) -> None:
+    """Relaunch RUN with its resolved config and the same image digest, through RUN's own launcher (a Slurm run
+    as a Slurm job, followed to its end), then compare the outcomes as `rkit compare RUN NEW` does: exit 0 when
+    they agree, 1 when they differ. (`rkit diff` compares the inputs.)"""
+    from . import compare as outcomes
+    from . import outcome, runner
     from . import status as run_status
     from .display import live_progress
     from .rundir import RunDir
 
-    total = RunDir(run_dir).config().trainer.steps
-    with live_progress(enabled=not quiet, total=total) as on_progress:
-        new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=on_progress)
+    config = RunDir(run_dir).config()
+    with live_progress(enabled=not quiet and config.launcher == "local", total=config.trainer.steps) as progress:
+        new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=progress)
+    if state.value == "pending":
+        click.echo(f"rkit: submitted {new_dir.path} as Slurm job {runner.slurm_job(new_dir)}; following it")
+        state = run_status.follow(new_dir, echo=click.echo)
     click.echo(run_status.render_status(run_status.status(new_dir)))
-    sys.exit(EXIT_CODES.get(state.value, 1))
+    if state.value != "finished":
+        sys.exit(EXIT_CODES.get(state.value, 1))
+    result = outcomes.compare(outcome.load(run_dir), outcome.load(new_dir.path),
+                              outcomes.Limits(loss_tolerance, threshold))
+    click.echo(outcomes.render(result))
+    sys.exit(0 if result["agree"] else 1)
 
 
 @main.group()
@@ -264,12 +286,37 @@ def metrics_serve(run_dir: Path, interface: str, port: int) -> None:
 @click.argument("b", type=click.Path(path_type=Path))
 @json_option
 def diff(a: Path, b: Path, as_json: bool) -> None:
-    """Differences between two runs (or two manifest files), grouped; exit 1 when they differ."""
+    """Differences between two runs' inputs (or two manifest files), grouped; exit 1 when they differ.
+    `rkit compare` compares what the runs came out as."""
     from .manifest import diff_sources, render_diff
 
     result = diff_sources(a, b)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_diff(result))
     sys.exit(0 if result["identical"] else 1)
+
+
+@main.command("compare")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@limits_options
+@json_option
+def compare_command(runs: tuple[Path, ...], loss_tolerance: float, threshold: float, as_json: bool) -> None:
+    """Did the runs come out the same? Each RUN after the first against the first: the loss per step (EXACT /
+    WITHIN tolerance / DIFFER, the first divergent step), and step time, tokens/s, host and device memory as
+    ratios B/A with a 95 % interval (percentile bootstrap of the ratio of medians over the steady-state per-step
+    samples). Exit 0 when all agree, 1 when one differs. `rkit diff` compares the inputs."""
+    from . import compare as outcomes
+    from . import outcome
+
+    if len(runs) < 2:
+        raise RkitError("rkit compare needs two runs or more: rkit compare RUN_A RUN_B [RUN...]")
+    base = outcome.load(runs[0])
+    results = [outcomes.compare(base, outcome.load(other), outcomes.Limits(loss_tolerance, threshold))
+               for other in runs[1:]]
+    if as_json:
+        click.echo(json.dumps(results if len(results) > 1 else results[0], indent=2, sort_keys=True))
+    else:
+        click.echo("\n\n".join(outcomes.render(r) for r in results))
+    sys.exit(0 if all(r["agree"] for r in results) else 1)
 
 
 if __name__ == "__main__":

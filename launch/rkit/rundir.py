@@ -188,6 +188,7 @@ class RunDir:
     resolved = property(lambda self: self.path / "resolved.json")
     manifest = property(lambda self: self.path / "manifest.json")
     events_file = property(lambda self: self.path / EVENTS)
+    outcome_file = property(lambda self: self.path / "outcome.json")  # outcome.py: what the run came out as
     metrics_dir = property(lambda self: self.path / "metrics")
     attempts_dir = property(lambda self: self.path / "attempts")
     # MaxText's base_output_directory is the run directory and its run_name is "checkpoints",
@@ -293,6 +294,10 @@ class RunDir:
         if not self.manifest.exists():
             return {}
         return self._load_object(self.manifest, "rkit writes it once, when the run is created")
+
+    def load_outcome(self) -> dict:
+        return self._load_object(self.outcome_file, "rkit writes it when the run ends; delete it and rkit "
+                                                    "computes the outcome again from the run's files")
 
     @staticmethod
     def _load_object(path: Path, how: str) -> dict:

@@ -139,14 +139,15 @@ def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection],
 
 
 def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
-                 injections: list[Injection]) -> RunDir:
+                 injections: list[Injection], extra_stamp: dict | None = None) -> RunDir:
     """Stamp the run, render the batch script into it and submit it; the job's `rkit supervise` does the rest."""
     from .backends import slurm
 
     python = recipe.config.slurm.python or sys.executable
     if image is not None:
         slurm.check_container_launch(recipe.config.slurm.container_launch)
-    with open_run(recipe, resume=resume, injections=injections, image=image) as (run, _lock):
+    with open_run(recipe, resume=resume, injections=injections, image=image,
+                  extra_stamp=extra_stamp) as (run, _lock):
         live = slurm_job(run)
         if live and slurm.job_state(live):
             raise RkitError(f"{run.path}: already submitted as Slurm job {live} "
@@ -234,7 +235,8 @@ def _acquire_with_patience(run: RunDir, seconds: float = 60) -> RunLock:
 
 def reproduce(source: Path, *, name: str | None, allow_drift: bool,
               on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
-    """Relaunch a run with its resolved config and the same image digest, as a new run beside it."""
+    """Relaunch a run with its resolved config and the same image digest, as a new run beside it, through the
+    run's own launcher (a Slurm run is submitted as a Slurm job: RunState.PENDING)."""
     src = RunDir(source).require()
     resolved = src.load_resolved()
     stamp = src.load_manifest()
@@ -257,6 +259,9 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
                                 "(the drift is recorded in the new manifest).")
             extra["drift"] = {"image": {"expected": expected, "found": found, "path": str(path)}}
         image = identify(recipe.config.image, path, found)
+    if recipe.config.launcher == "slurm":
+        run = submit_slurm(recipe, image=image, resume=False, injections=[], extra_stamp=extra)
+        return run, RunState.PENDING
     return execute(recipe, image=image, resume=False, injections=[], on_progress=on_progress, extra_stamp=extra)
 
 

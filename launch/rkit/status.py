@@ -114,6 +114,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
     lost = goodput.compute(events, placed,
                            checkpoint_period=config.checkpoint.period, now=now)
     table = attempts(events)
+    loss = run.load_outcome().get("loss") if run.outcome_file.is_file() else None
     if state is RunState.STOPPED:
         for row in table:  # its supervisor is gone: it is not running, whatever its processes do
             if "started" in row and "cause" not in row:
@@ -139,6 +140,8 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         "injections": [e.get("spec") for e in events if e.get("event") == EV.INJECT_FIRED],
         "slurm": slurm,
         "goodput": lost.as_dict(top=3),
+        "outcome": None if not isinstance(loss, dict) else
+        {"loss_sha256": loss.get("sha256"), "first_step": loss.get("first_step"), "last_step": loss.get("last_step")},
         "stragglers": straggler_events(events),
         "disk_low": [{k: e.get(k) for k in ("attempt", "node", "fs", "path", "free_bytes", "fraction", "threshold")}
                      for e in events if e.get("event") == EV.DISK_LOW],
@@ -166,6 +169,10 @@ def render_status(s: dict[str, Any]) -> str:
                  (f", ETA {_num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
     lines.append(f"config     {s['config_hash']}")
     lines.append(f"goodput    {render_goodput(s['goodput'])}")
+    if s.get("outcome") and s["outcome"]["loss_sha256"]:
+        o = s["outcome"]
+        lines.append(f"outcome    loss {o['loss_sha256']} over steps {o['first_step']}-{o['last_step']} "
+                     "(outcome.json; rkit compare RUN OTHER)")
     for st in s["stragglers"]:
         lines.append(f"straggler  {st['node']} in attempt {st['attempt']}: median step time "
                      f"{_num(st['ratio'], '{:.2f}')}x the other nodes'")

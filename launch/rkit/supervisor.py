@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import outcome as run_outcome
 from .attemptrecord import close_record, refuse_if_alive, started_at
 from .backends.base import Backend, Handle, NotEnoughNodes, RankExit
 from .config import Config
@@ -22,6 +23,7 @@ from .errors import RkitError
 from .image import ImageIdentity
 from .inject import Injection, pending
 from .policy import (
+    FINAL_EVENTS,
     Action,
     Budgets,
     Cause,
@@ -99,9 +101,8 @@ class Supervisor:
         progress = Progress(total_steps=int(self.config.trainer.steps))
         progress.committed = maxtext.latest_committed_step(self.run)
         if self.final_committed():
-            self.run.emit(EV.RUN_FINISHED, reason="the final step was already committed; nothing to run",
-                          committed_step=progress.committed)
-            return RunState.FINISHED
+            return self._final(EV.RUN_FINISHED, reason="the final step was already committed; nothing to run",
+                               committed_step=progress.committed)
         lost = self._lost_attempt(events)
         if lost is not None:
             refuse_if_alive(self.run, lost[0])
@@ -109,27 +110,27 @@ class Supervisor:
             self._record_end(lost[0], lost[1], decision, tally)
             close_record(self.run, lost[0], lost[1])
             if decision.action is Action.GIVE_UP:
-                self.run.emit(EV.RUN_GAVE_UP, reason=decision.reason, committed_step=lost[1].committed_after)
-                return RunState.GAVE_UP
+                return self._final(EV.RUN_GAVE_UP, reason=decision.reason, committed_step=lost[1].committed_after)
         while True:
             self.check_image()
             outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
             final = self.final_committed()
             decision, tally = decide(tally, outcome, budgets, final)
             self._record_end(progress.attempt, outcome, decision, tally)
-            if decision.action is Action.FINISH:
-                self.run.emit(EV.RUN_FINISHED, reason=decision.reason, committed_step=outcome.committed_after)
-                return RunState.FINISHED
-            if decision.action is Action.GIVE_UP:
-                self.run.emit(EV.RUN_GAVE_UP, reason=decision.reason, committed_step=outcome.committed_after)
-                return RunState.GAVE_UP
-            if decision.action is Action.STOP:
-                self.run.emit(EV.RUN_INTERRUPTED, reason=decision.reason, committed_step=outcome.committed_after)
-                return RunState.INTERRUPTED
+            final = {Action.FINISH: EV.RUN_FINISHED, Action.GIVE_UP: EV.RUN_GAVE_UP, Action.STOP: EV.RUN_INTERRUPTED}
+            if decision.action in final:
+                return self._final(final[decision.action], reason=decision.reason,
+                                   committed_step=outcome.committed_after)
             if decision.action is Action.REQUEUE:
                 self.run.emit(EV.JOB_REQUEUE_REQUESTED, reason=decision.reason,
                               committed_step=outcome.committed_after, excluded=list(self.excluded()))
                 return RunState.REQUEUED
+
+    def _final(self, kind: str, **fields: object) -> RunState:
+        """The run's final word, then what it came out as (outcome.json: `rkit compare`, `rkit status`)."""
+        self.run.emit(kind, **fields)
+        run_outcome.write(self.run, self.config)
+        return FINAL_EVENTS[kind]
 
     def _record_end(self, attempt: int, outcome: Outcome, decision: Decision, tally: Tally) -> None:
         self.run.emit(EV.ATTEMPT_ENDED, attempt=attempt, cause=outcome.cause.value, detail=outcome.detail,

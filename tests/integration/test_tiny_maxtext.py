@@ -89,6 +89,13 @@ def test_uninterrupted_run_is_stamped_and_finished(baseline: RunDir):
         assert env["environment"]["JAX_API_KEY"] == "<redacted>"
         assert env["environment"]["XLA_FLAGS"] == ENV["XLA_FLAGS"]
         assert len(merged(baseline, rank)) == 30
+    # What it came out as: outcome.json, its loss checksum shown by rkit status.
+    outcome = baseline.load_outcome()
+    assert outcome["state"] == "finished" and outcome["loss"]["count"] == 30 and outcome["loss"]["last_step"] == 29
+    assert s["outcome"]["loss_sha256"] == outcome["loss"]["sha256"] and outcome["loss"]["sha256"].startswith("sha256:")
+    assert outcome["step_time"]["n"] == 30 - outcome["warmup_steps_excluded"] and outcome["step_time"]["median"] > 0
+    assert outcome["checkpoint_save_seconds"]["n"] >= 4 and outcome["time_to_first_step_seconds"] > 0
+    assert outcome["loss"]["sha256"] in rkit("status", str(baseline.path), check=0).stdout
     # Secrets from the environment land nowhere in the run directory: manifests, events, logs.
     for path in baseline.path.rglob("*"):
         if path.is_file() and path.stat().st_size < 50_000_000:
@@ -133,6 +140,24 @@ def test_fault_then_resume_matches_uninterrupted_loss(workspace, baseline, name,
     assert all(m["host_rss_bytes"] > 0 and m["node"] and m["step_time"] > 0 for m in view.values())
     s = status_json(run)
     assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == [cls, "completed"]
+    # rkit compare agrees: every step's loss bit for bit (performance is left out: --threshold 10, a shared
+    # machine's load is not what this test is about).
+    done = rkit("compare", "--json", "--threshold", "10", str(baseline.path), str(run.path), check=0)
+    loss = json.loads(done.stdout)["loss"]
+    assert loss["counts"] == {"EXACT": 30, "WITHIN": 0, "DIFFER": 0} and loss["first_divergence"] is None
+    assert loss["checksums"][0] == loss["checksums"][1]
+
+
+def test_compare_names_the_first_step_another_learning_rate_changes(workspace: Path, baseline: RunDir):
+    run = run_tiny(workspace, "lr", "-o", "trainer.overrides.learning_rate=0.001")
+    done = rkit("compare", "--threshold", "10", str(baseline.path), str(run.path), check=1)
+    result = json.loads(rkit("compare", "--json", "--threshold", "10", str(baseline.path), str(run.path),
+                             check=1).stdout)
+    first = result["loss"]["first_divergence"]
+    assert first is not None and first["status"] == "DIFFER" and first["a"] != first["b"]
+    assert all(r["status"] == "EXACT" for r in result["loss"]["ranges"] if r["to"] < first["step"])
+    assert f"first divergence at step {first['step']}" in done.stdout and "verdict: DIFFERENT" in done.stdout
+    assert result["config_hashes"][0] != result["config_hashes"][1] and "configs differ" in done.stdout
 
 
 def test_sigterm_takes_the_preemption_path(workspace: Path, baseline: RunDir):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rkit import outcome
 from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit
 from rkit.policy import Cause, Progress, RunState
 from rkit.recipe import load_recipe
@@ -307,6 +308,11 @@ def test_run_to_end_resumes_after_each_failure_and_finishes(tmp_path):
     starts = [e["resume_from_step"] for e in events(sup.run, EV.ATTEMPT_STARTED)]
     assert starts == [None, 4, 8, 8]
     assert ended[-1]["tally"]["training_failures"] == 1 and ended[-1]["tally"]["infra_failures"] == 2
+    # What it came out as: the newest attempt's loss of every step, in outcome.json.
+    record = sup.run.load_outcome()
+    losses = [10.0 - s * 0.1 for s in range(STEPS)]
+    assert record["state"] == "finished" and record["loss"]["count"] == STEPS
+    assert record["loss"]["sha256"] == outcome.loss_checksum(losses)
 
 
 def test_run_to_end_stops_a_crash_loop_on_its_signature(tmp_path):
@@ -339,6 +345,7 @@ def test_disk_full_ends_the_attempt_at_once_and_the_run_stops(tmp_path):
     assert sup.run_to_end() is RunState.GAVE_UP
     ended = events(sup.run, EV.ATTEMPT_ENDED)
     assert [e["cause"] for e in ended] == ["disk_full"]  # no restart into a full disk
+    assert sup.run.load_outcome()["state"] == "gave up"
     assert "No space left on device" in ended[0]["detail"] and "bytes free" in ended[0]["detail"]
     assert "file system /" in ended[0]["detail"]
     reason = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]

@@ -1,0 +1,169 @@
+"""rkit compare: did two runs come out the same? Their outcomes (outcome.py) side by side: the loss step by step,
+and each performance metric as a ratio B/A with a confidence interval. `rkit diff` compares the inputs.
+
+The interval: a percentile bootstrap of the ratio of medians (2,000 resamples of each run's steady-state
+per-step samples, seeded, 95 %). A metric is worse only when the whole interval is beyond the threshold: slower
+by more than the threshold, beyond noise. Pure functions; the CLI reads the outcomes and prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .outcome import float32_hex
+
+RESAMPLES = 2000
+CONFIDENCE = 0.95
+METHOD = (f"percentile bootstrap of the ratio of medians, {RESAMPLES} resamples of the per-step samples, "
+          f"{CONFIDENCE:.0%} interval")
+# name -> (the outcome's key, lower is better, the words for worse / better)
+METRICS = {
+    "step_time": ("step_time", True, ("slower", "faster")),
+    "tokens_per_sec_per_device": ("tokens_per_sec_per_device", False, ("slower", "faster")),
+    "host_rss": ("host_rss_bytes", True, ("more memory", "less memory")),
+    "device_memory_peak": ("device_memory_peak_bytes", True, ("more memory", "less memory")),
+}
+INFORMATIVE = ("mfu_median", "time_to_first_step_seconds", "checkpoint_save_seconds", "goodput")
+
+
+@dataclass(frozen=True)
+class Limits:
+    loss_tolerance: float = 0.0  # absolute; 0 = bit-exact (float32)
+    threshold: float = 0.05  # a metric may be this much worse (ratio 1.05) before it counts
+    seed: int = 0
+
+
+def compare_loss(a: dict[str, Any], b: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """Per step: EXACT (same float32), WITHIN (|a-b| <= tolerance), DIFFER; as runs of one status."""
+    la = {int(k): v for k, v in a["per_step"].items()}
+    lb = {int(k): v for k, v in b["per_step"].items()}
+    common = sorted(set(la) & set(lb))
+    ranges: list[dict[str, Any]] = []
+    counts = {"EXACT": 0, "WITHIN": 0, "DIFFER": 0}
+    first: dict[str, Any] | None = None
+    max_abs = 0.0
+    for step in common:
+        x, y = la[step], lb[step]
+        diff = abs(x - y)
+        max_abs = max(max_abs, diff)
+        status = "EXACT" if float32_hex(x) == float32_hex(y) else "WITHIN" if diff <= tolerance else "DIFFER"
+        counts[status] += 1
+        if status != "EXACT" and first is None:
+            first = {"step": step, "a": x, "b": y, "a_hex": float32_hex(x), "b_hex": float32_hex(y),
+                     "status": status}
+        if ranges and ranges[-1]["status"] == status:
+            ranges[-1]["to"] = step
+        else:
+            ranges.append({"from": step, "to": step, "status": status})
+    only_a, only_b = sorted(set(la) - set(lb)), sorted(set(lb) - set(la))
+    agree = bool(common) and counts["DIFFER"] == 0 and not only_a and not only_b
+    return {"agree": agree, "steps_compared": len(common), "counts": counts, "ranges": ranges,
+            "first_divergence": first, "max_abs_diff": max_abs, "tolerance": tolerance,
+            "only_in_a": _span(only_a), "only_in_b": _span(only_b),
+            "checksums": [a.get("sha256"), b.get("sha256")]}
+
+
+def _span(steps: list[int]) -> dict[str, int] | None:
+    return {"count": len(steps), "first": steps[0], "last": steps[-1]} if steps else None
+
+
+def ratio_interval(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """median(b) / median(a) and its bootstrap interval (METHOD)."""
+    import numpy as np
+
+    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    rng = np.random.default_rng(seed)
+    ma = np.median(xa[rng.integers(0, len(xa), (RESAMPLES, len(xa)))], axis=1)
+    mb = np.median(xb[rng.integers(0, len(xb), (RESAMPLES, len(xb)))], axis=1)
+    tail = (1 - CONFIDENCE) / 2 * 100
+    lo, hi = np.percentile(mb / ma, [tail, 100 - tail])
+    return float(np.median(xb) / np.median(xa)), float(lo), float(hi)
+
+
+def compare_metric(name: str, a: dict[str, Any], b: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    key, lower_better, (worse_word, better_word) = METRICS[name]
+    va, vb = a.get(key), b.get(key)
+    row: dict[str, Any] = {"metric": name, "lower_is_better": lower_better}
+    if isinstance(va, dict) and isinstance(vb, dict) and va.get("n") and vb.get("n"):
+        ratio, lo, hi = ratio_interval(va["samples"], vb["samples"], limits.seed)
+        row.update(a=va["median"], b=vb["median"], n=[va["n"], vb["n"]])
+    elif isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va > 0:
+        ratio = lo = hi = vb / va  # one value each (a peak): no interval
+        row.update(a=va, b=vb, n=[1, 1])
+    else:
+        return {**row, "verdict": "unknown", "ratio": None, "interval": None}
+    # As a factor of "worse": > 1 is worse whichever way the metric goes.
+    worse_lo, worse_hi = (lo, hi) if lower_better else (1 / hi, 1 / lo)
+    limit = 1 + limits.threshold
+    verdict = worse_word if worse_lo > limit else better_word if worse_hi < 1 / limit else "same"
+    return {**row, "ratio": ratio, "interval": [lo, hi], "verdict": verdict, "worse": verdict == worse_word}
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], limits: Limits = Limits()) -> dict[str, Any]:
+    """Outcome B against outcome A."""
+    loss = compare_loss(a["loss"], b["loss"], limits.loss_tolerance)
+    perf = [compare_metric(name, a, b, limits) for name in METRICS]
+    info = {key: [_scalar(a.get(key)), _scalar(b.get(key))] for key in INFORMATIVE}
+    worse = [m["metric"] for m in perf if m.get("worse")]
+    return {"a": a.get("run"), "b": b.get("run"), "agree": loss["agree"] and not worse, "loss": loss,
+            "performance": perf, "worse": worse, "informative": info, "threshold": limits.threshold,
+            "method": METHOD, "states": [a.get("state"), b.get("state")],
+            "config_hashes": [a.get("config_hash"), b.get("config_hash")],
+            "images": [a.get("image_sha256"), b.get("image_sha256")]}
+
+
+def _scalar(value: Any) -> Any:
+    return value.get("median") if isinstance(value, dict) else value
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render(result: dict[str, Any]) -> str:
+    loss = result["loss"]
+    out = [f"A {result['a']} ({result['states'][0]})  vs  B {result['b']} ({result['states'][1]})"]
+    if result["config_hashes"][0] != result["config_hashes"][1]:
+        out.append("  configs differ (rkit diff A B says how)")
+    if result["images"][0] != result["images"][1]:
+        out.append(f"  images differ: {str(result['images'][0])[:19]} vs {str(result['images'][1])[:19]}")
+    tol = "bit-exact" if loss["tolerance"] == 0 else f"tolerance {loss['tolerance']:g}"
+    out.append(f"loss ({tol}): {loss['steps_compared']} steps compared, " +
+               ", ".join(f"{n} {k}" for k, n in loss["counts"].items() if n) +
+               f"; max |A-B| {loss['max_abs_diff']:.3g}")
+    for r in loss["ranges"][:12]:
+        span = f"step {r['from']}" if r["from"] == r["to"] else f"steps {r['from']}-{r['to']}"
+        out.append(f"  {span}: {r['status']}")
+    if len(loss["ranges"]) > 12:
+        out.append(f"  ... {len(loss['ranges']) - 12} more ranges (--json)")
+    first = loss["first_divergence"]
+    if first:
+        out.append(f"  first divergence at step {first['step']}: A {first['a']!r} (0x{first['a_hex']}) "
+                   f"B {first['b']!r} (0x{first['b_hex']}) {first['status']}")
+    for side in ("a", "b"):
+        if loss[f"only_in_{side}"]:
+            s = loss[f"only_in_{side}"]
+            out.append(f"  only in {side.upper()}: {s['count']} steps ({s['first']}-{s['last']})")
+    out.append(f"performance (B/A, {result['method']}; threshold {result['threshold']:.0%}):")
+    for m in result["performance"]:
+        if m["ratio"] is None:
+            out.append(f"  {m['metric']:<26} -")
+            continue
+        lo, hi = m["interval"]
+        ci = "" if lo == hi else f" [{lo:.3f}, {hi:.3f}]"
+        out.append(f"  {m['metric']:<26} A {_num(m['a'])}  B {_num(m['b'])}  ratio {m['ratio']:.3f}{ci}  "
+                   f"{m['verdict']}")
+    for key, (va, vb) in result["informative"].items():
+        out.append(f"  {key:<26} A {_num(va)}  B {_num(vb)}")
+    why = []
+    if not loss["agree"]:
+        why.append("the loss differs")
+    if result["worse"]:
+        why.append("worse: " + ", ".join(result["worse"]))
+    out.append("verdict: the same outcome" if result["agree"] else "verdict: DIFFERENT (" + "; ".join(why) + ")")
+    return "\n".join(out)
