@@ -105,6 +105,18 @@ def test_two_nodes_in_containers_finish(cluster, clean_run: RunDir):
     assert (clean_run.path / "job.sbatch").is_file()
 
 
+def test_reproduce_of_a_slurm_run_is_a_slurm_job_and_ends_with_the_verdict(cluster, slurm_workspace,
+                                                                          clean_run: RunDir):
+    # The verdict on the loss only (--threshold 10): the test bed's load is not what this test is about.
+    done = rkit("reproduce", str(clean_run.path), "--name", "clean-again", "--threshold", "10", "--quiet",
+                cwd=slurm_workspace, env=cluster, timeout=900, check=0)
+    again = RunDir(slurm_workspace / "clean-again")
+    assert "as Slurm job" in done.stdout and job_of(again) != job_of(clean_run)
+    assert again.load_manifest()["reproduced_from"]["config_hash"] == clean_run.load_manifest()["config_hash"]
+    assert "steps 0-39: EXACT" in done.stdout and "verdict: the same outcome" in done.stdout
+    assert again.load_outcome()["loss"]["sha256"] == clean_run.load_outcome()["loss"]["sha256"]
+
+
 def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_image, clean_run: RunDir):
     run = submit(cluster, slurm_workspace, "crash", cpu_image)
     wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= 25, 600,

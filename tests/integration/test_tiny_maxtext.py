@@ -284,6 +284,15 @@ def test_supervisor_sigkill_ends_its_trainers_and_resume_finishes(workspace: Pat
     assert final_loss(run) == final_loss(baseline)
 
 
+def fill_at_step_12(proc: subprocess.Popen, run: RunDir, mount: Path) -> tuple[float, str]:
+    """Once rank 0 is past step 12, fill `mount` but for 64 KiB; when that was, and the run's stderr."""
+    wait_until(lambda: len(merged(run, rank=0)) >= 12 or proc.poll() is not None, 300, "step 12", every=0.05)
+    assert proc.poll() is None, proc.communicate()
+    (mount / "ballast").write_bytes(b"\0" * (shutil.disk_usage(mount).free - 64 * 1024))
+    filled = time.time()
+    return filled, proc.communicate(timeout=600)[1]
+
+
 def test_disk_full_on_the_checkpoint_file_system_stops_with_the_diagnosis(workspace: Path):
     if os.geteuid() != 0 or not shutil.which("mount"):
         missing_test_bed("a small tmpfs for the checkpoints needs root (mount -t tmpfs); make test runs as root")
@@ -298,11 +307,7 @@ def test_disk_full_on_the_checkpoint_file_system_stops_with_the_diagnosis(worksp
         mount.mkdir()
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
         mounted = True
-        wait_until(lambda: len(merged(run, rank=0)) >= 12 or proc.poll() is not None, 300, "step 12", every=0.05)
-        assert proc.poll() is None, proc.communicate()
-        (mount / "ballast").write_bytes(b"\0" * (shutil.disk_usage(mount).free - 64 * 1024))  # step 20 cannot fit
-        filled = time.time()
-        out, err = proc.communicate(timeout=600)
+        filled, err = fill_at_step_12(proc, run, mount)  # step 20 cannot fit
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -333,11 +338,7 @@ def test_disk_full_on_the_whole_run_directory_stops_with_one_line_and_resumes(wo
                                 stderr=subprocess.PIPE, text=True)
         run = RunDir(runs / "fullrun")
         try:
-            wait_until(lambda: len(merged(run, rank=0)) >= 12 or proc.poll() is not None, 300, "step 12", every=0.05)
-            assert proc.poll() is None, proc.communicate()
-            (runs / "ballast").write_bytes(b"\0" * (shutil.disk_usage(runs).free - 64 * 1024))
-            filled = time.time()
-            out, err = proc.communicate(timeout=600)
+            filled, err = fill_at_step_12(proc, run, runs)
         finally:
             if proc.poll() is None:
                 proc.kill()
