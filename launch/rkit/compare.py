@@ -15,8 +15,10 @@ from .outcome import float32_hex
 
 RESAMPLES = 2000
 CONFIDENCE = 0.95
-METHOD = (f"percentile bootstrap of the ratio of medians, {RESAMPLES} resamples of the per-step samples, "
-          f"{CONFIDENCE:.0%} interval")
+MAX_SAMPLES = 2000  # a longer run's samples are thinned evenly to this many: time and memory stay bounded, the
+#                     interval can only get wider
+METHOD = (f"percentile bootstrap of the ratio of medians, {RESAMPLES} resamples of the per-step samples "
+          f"(at most {MAX_SAMPLES}, evenly thinned), {CONFIDENCE:.0%} interval")
 # name -> (the outcome's key, lower is better, the words for worse / better)
 METRICS = {
     "step_time": ("step_time", True, ("slower", "faster")),
@@ -72,7 +74,8 @@ def ratio_interval(a: list[float], b: list[float], seed: int = 0) -> tuple[float
     """median(b) / median(a) and its bootstrap interval (METHOD)."""
     import numpy as np
 
-    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    xa, xb = (np.asarray(x, dtype=float)[np.linspace(0, len(x) - 1, min(len(x), MAX_SAMPLES)).astype(int)]
+              for x in (a, b))
     rng = np.random.default_rng(seed)
     ma = np.median(xa[rng.integers(0, len(xa), (RESAMPLES, len(xa)))], axis=1)
     mb = np.median(xb[rng.integers(0, len(xb), (RESAMPLES, len(xb)))], axis=1)
