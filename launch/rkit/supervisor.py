@@ -117,9 +117,8 @@ class Supervisor:
             final = self.final_committed()
             decision, tally = decide(tally, outcome, budgets, final)
             self._record_end(progress.attempt, outcome, decision, tally)
-            final = {Action.FINISH: EV.RUN_FINISHED, Action.GIVE_UP: EV.RUN_GAVE_UP, Action.STOP: EV.RUN_INTERRUPTED}
-            if decision.action in final:
-                return self._final(final[decision.action], reason=decision.reason,
+            if decision.action in FINAL_WORD:
+                return self._final(FINAL_WORD[decision.action], reason=decision.reason,
                                    committed_step=outcome.committed_after)
             if decision.action is Action.REQUEUE:
                 self.run.emit(EV.JOB_REQUEUE_REQUESTED, reason=decision.reason,
@@ -365,6 +364,8 @@ class Supervisor:
 
 
 HANG_GRACE_SECONDS = 10.0
+# The decisions that end the run, and the event that says so.
+FINAL_WORD = {Action.FINISH: EV.RUN_FINISHED, Action.GIVE_UP: EV.RUN_GAVE_UP, Action.STOP: EV.RUN_INTERRUPTED}
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
 FULL_BYTES = 1 << 20
 

@@ -177,6 +177,39 @@ def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu
     assert "gave up: crash loop" in text and f"job {job_of(run)}" in text
 
 
+def test_supervisor_sigkill_ends_the_job_and_its_steps_and_resume_finishes(cluster, slurm_workspace, cpu_image,
+                                                                          clean_run: RunDir):
+    # The supervisor is the batch script's process (exec): its death ends the job, and Slurm ends the job's
+    # steps with it. No rank trains on unsupervised; `--resume` submits a new job that records the attempt lost.
+    import psutil
+
+    run = submit(cluster, slurm_workspace, "supkill", cpu_image)
+    job = job_of(run)
+    wait_until(lambda: len(merged(run, 0)) >= 15, 600, "step 15")
+    argv_end = ["supervise", str(run.path.resolve())]
+    supervisor = wait_until(lambda: next((p for p in psutil.process_iter(["cmdline"])
+                                          if (p.info["cmdline"] or [])[-2:] == argv_end), None),
+                            60, "the supervisor process")
+    killed = time.time()
+    supervisor.kill()
+
+    def ranks_alive() -> list[int]:
+        mark = f"base_output_directory={run.path.resolve()}"
+        return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+                if p.info["status"] != psutil.STATUS_ZOMBIE and mark in (p.info["cmdline"] or [])]
+
+    wait_until(lambda: squeue(cluster, job) == "" and not ranks_alive(), 120, "the job and its ranks to end")
+    print(f"supervisor SIGKILL -> job and ranks gone: {time.time() - killed:.1f} s")
+    s = status(cluster, run)
+    assert s["state"] == "stopped" and [a["cause"] for a in s["attempts"]] == ["lost"]
+    resumed = submit(cluster, slurm_workspace, "supkill", cpu_image, "--resume")
+    assert job_of(resumed) != job
+    s = wait_finished(cluster, run)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["lost", "completed"]
+    assert "supervisor was killed" in s["attempts"][0]["detail"]
+    assert final_loss(run) == final_loss(clean_run)
+
+
 def crash_when_at_step(cluster, run: RunDir, step: int, which: int) -> tuple[str, float]:
     """Crash node `which` of attempt 1's step once rank 0 is past `step`; returns the node and the time."""
     wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= step, 600,
