@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,10 @@ def cluster() -> dict[str, str]:
     if done.returncode != 0:
         missing_test_bed("the Slurm test bed is not up; start it with `ci/slurm-testbed.sh up` (make test does)"
                          f"\n{done.stdout}{done.stderr}")
+    seen = subprocess.run([str(TESTBED), "exec", "test", "-x", sys.executable], capture_output=True, check=False)
+    if seen.returncode != 0:  # the batch script would fail at once, and each test wait out its timeout
+        missing_test_bed(f"the test bed's nodes cannot see {sys.executable} (they see /tmp and /root): run the "
+                         "Slurm tests from a checkout under /tmp, as CI does")
     base = os.environ.get("RKIT_SLURM_BASE", "/opt/rkit-ci/slurm")
     return {"PATH": f"{base}/bin:{os.environ['PATH']}"}
 
