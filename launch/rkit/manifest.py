@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .stamp import is_secret_name
+from .stamp import is_secret_name, redact_value
 
 ENV_PREFIXES = ("XLA_", "JAX_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCR_", "CUDA_", "SLURM_")
 REDACTED = "<redacted>"
@@ -40,7 +40,7 @@ def _run(argv: list[str]) -> str | None:
 def redact_env(environ: dict[str, str]) -> dict[str, str]:
     """The variables that shape training, with any secret-looking value replaced by a marker."""
     return {
-        name: (REDACTED if is_secret_name(name) else value)
+        name: (REDACTED if is_secret_name(name) else redact_value(value, REDACTED))
         for name, value in sorted(environ.items())
         if name.startswith(ENV_PREFIXES)
     }

@@ -8,17 +8,34 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 # Keys that identify a run rather than describe its training: left out of the config hash.
 IDENTITY_KEYS = ("name", "runs_dir")
 
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+# A variable (or recipe env key) is secret when its name contains one of SECRET_WORDS anywhere, or one of its
+# _-separated parts is one of SECRET_PARTS (short words that are parts of ordinary names too: PATH, BYPASS),
+# or starts with AUTH (AUTH, AUTHORIZATION).
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CRED", "JWT", "PRIVATE", "COOKIE")
+SECRET_PARTS = ("PASS", "PAT", "SESSION")
+# Values that are secret whatever their name: a URL's password (scheme://user:password@host) and key blocks.
+SECRET_VALUE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)(?P<secret>[^@\s/]+)@")
+PRIVATE_BLOCK = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
 
 
 def is_secret_name(name: str) -> bool:
     upper = name.upper()
-    return any(word in upper for word in SECRET_WORDS)
+    parts = re.split(r"[^A-Z0-9]+", upper)
+    return (any(word in upper for word in SECRET_WORDS) or any(part in SECRET_PARTS for part in parts)
+            or any(part.startswith("AUTH") for part in parts))
+
+
+def redact_value(value: str, marker: str) -> str:
+    """A value with its secret parts replaced by `marker`: a URL's password, or all of a private key block."""
+    if PRIVATE_BLOCK.search(value):
+        return marker
+    return SECRET_VALUE.sub(lambda m: f"{m.group('head')}{marker}@", value)
 
 
 def canonical_json(value: Any) -> str:

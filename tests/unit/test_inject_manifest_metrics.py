@@ -9,6 +9,7 @@ from rkit import manifest
 from rkit.errors import RkitError
 from rkit.inject import parse_injection, parse_injections, pending
 from rkit.rundir import RunDir
+from rkit.stamp import is_secret_name
 from rkit.telemetry.metrics import MetricsTail, enrich, merged, peak_tflops, ranks, repair_tail
 from rkit.trainers.maxtext import committed_steps, latest_committed_step
 
@@ -53,6 +54,29 @@ def test_secrets_are_redacted_and_only_training_variables_kept():
     captured = manifest.capture(environ=env)
     text = json.dumps(captured)
     assert "s3cr3t" not in text and "hf_abc" not in text and "zz\"" not in text
+
+
+@pytest.mark.parametrize("name", ["SLURM_JWT", "NCCL_IB_PASSWD", "AWS_SECRET_ACCESS_KEY", "GITHUB_PAT", "MY_PASS",
+                                  "DB_CREDENTIALS", "X_AUTH", "HTTP_AUTHORIZATION", "SSH_PRIVATE", "JAX_COOKIE",
+                                  "MY_SESSION", "hf_access_token", "api-key"])
+def test_secret_names(name):
+    assert is_secret_name(name)
+
+
+@pytest.mark.parametrize("name", ["PATH", "XLA_FLAGS", "SLURM_JOB_PARTITION", "NCCL_BYPASS_X", "SLURM_PROCID",
+                                  "CUDA_VISIBLE_DEVICES", "PASSTHROUGH", "JAX_COMPILATION_CACHE_DIR", "PWD"])
+def test_ordinary_names(name):
+    assert not is_secret_name(name)
+
+
+def test_secret_values_are_redacted_whatever_the_name():
+    env = {"NCCL_DB": "postgres://u:pw0rd@db.example:5432/x", "XLA_URL": "https://example.org/a:b@c",
+           "JAX_KEYFILE_TEXT": "x", "HIP_PEM": "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n", "SLURM_X": "a:b"}
+    out = manifest.redact_env(env)
+    assert out["NCCL_DB"] == f"postgres://u:{manifest.REDACTED}@db.example:5432/x"
+    assert out["HIP_PEM"] == manifest.REDACTED and out["SLURM_X"] == "a:b"
+    assert out["XLA_URL"] == "https://example.org/a:b@c"  # a path, not a password: left alone
+    assert "pw0rd" not in json.dumps(manifest.capture(environ=env))
 
 
 def test_host_capture_has_the_promised_fields(tmp_path: Path):
