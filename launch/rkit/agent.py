@@ -91,6 +91,26 @@ def _act(inj: Injection, step: int) -> None:
     os._exit(inj.code)
 
 
+class Injector:
+    """This rank's injections, fired from the training loop's own thread at exactly their step (see
+    `trainers.maxtext.hook_the_train_loop`), once per attempt; the metrics lines before it are drained first."""
+
+    def __init__(self, ctx: AgentContext, pump: MetricsPump | None = None):
+        self.ctx = ctx
+        self.pump = pump
+        self.targets = sorted(ctx.injections, key=lambda i: i.step)
+
+    def at_step(self, step: int) -> None:
+        due = [i for i in self.targets if step >= i.step]
+        if not due:
+            return
+        if self.pump is not None:
+            self.pump.drain()
+        for inj in due:
+            self.targets.remove(inj)  # once per attempt (a hung rank that is continued must not re-fire)
+            fire(self.ctx, inj, step)
+
+
 def arm_stack_dumps(ctx: AgentContext) -> Path:
     """SIGQUIT -> every thread's Python stack into attempts/<n>/stacks/rank-<r>.txt (the hang path asks for it).
     faulthandler writes from the signal handler itself, so it works while the main thread is stuck in C."""
@@ -139,16 +159,14 @@ class StepSampler:
 
 class MetricsPump:
     """Follows MaxText's metrics file for this rank and attempt; appends one rkit line per step to
-    metrics/<rank>.jsonl (one write each); fires this rank's injections when their step is reached.
-    A background thread polls; `drain()` reads what is left once MaxText is done (its last step's line is
-    written at the very end, after the thread's last poll)."""
+    metrics/<rank>.jsonl (one write each). A background thread polls; `drain()` reads what is left (MaxText
+    writes a step's line when the next step is buffered, and its last step's line at the very end)."""
 
     def __init__(self, ctx: AgentContext):
         self.ctx = ctx
         self.tail = MetricsTail(ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank))
         ctx.run.metrics_dir.mkdir(parents=True, exist_ok=True)
         ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank).parent.mkdir(parents=True, exist_ok=True)
-        self.targets = sorted(ctx.injections, key=lambda i: i.step)
         self.sampler = StepSampler()
         self.node = node_name()
         self.fd = os.open(ctx.run.metrics_file(ctx.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -160,12 +178,8 @@ class MetricsPump:
                 line = metrics.enrich(raw, t=time.time(), attempt=self.ctx.attempt, rank=self.ctx.rank,
                                       node=self.node, peak=self.sampler.peak,
                                       device_memory=self.sampler.device_memory(), host_rss=self.sampler.host_rss())
-                if line is None:
-                    continue
-                os.write(self.fd, (json.dumps(line, sort_keys=True) + "\n").encode())
-                for inj in [i for i in self.targets if line["step"] >= i.step]:
-                    self.targets.remove(inj)  # once per attempt (a hung rank that is continued must not re-fire)
-                    fire(self.ctx, inj, line["step"])
+                if line is not None:
+                    os.write(self.fd, (json.dumps(line, sort_keys=True) + "\n").encode())
 
     def start(self, poll_seconds: float = 0.05) -> MetricsPump:
         def loop() -> None:
@@ -247,9 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     from absl import app
     from maxtext.trainers.pre_train import train
 
-    from .trainers.maxtext import keep_the_preemption_steps_metrics, rank_overrides, resolve_base_config
+    from .trainers.maxtext import hook_the_train_loop, rank_overrides, resolve_base_config
 
-    keep_the_preemption_steps_metrics()
+    hook_the_train_loop(Injector(ctx, pump).at_step)
 
     argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
             *rank_overrides(ctx.run, ctx.attempt, ctx.rank)]

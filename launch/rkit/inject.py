@@ -1,6 +1,7 @@
 """Fault injection for rehearsals and tests: `--inject kind:key=value,...`.
 
-kill:rank=R,step=S          SIGKILL rank R once it has completed step S
+kill:rank=R,step=S          SIGKILL rank R at step S (kill, exit and hang fire in the rank's training loop,
+                            once step S is dispatched: it never trains step S+1)
 exit:rank=R,step=S,code=C   rank R exits with code C (default 1) at step S
 hang:rank=R,step=S          rank R stops (SIGSTOP of its process) at step S: it keeps existing but never
                             advances, so the supervisor's hang detection has to notice, dump and replace it

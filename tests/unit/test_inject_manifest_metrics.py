@@ -45,6 +45,30 @@ def test_one_shot_injections_fire_once_per_rkit_run():
     assert [i.index for i in pending(injs, events + [{"event": "run.resumed"}])] == [0, 1]
 
 
+def test_in_trainer_injections_fire_once_at_their_step_after_the_metrics_before_it(tmp_path, monkeypatch):
+    from rkit import agent
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    injs = tuple(i for i in parse_injections(["hang:rank=1,step=15", "kill:rank=1,step=25"], processes=2))
+    ctx = agent.AgentContext(run=run, attempt=1, rank=1, processes=2, coordinator="", base_config="base.yml",
+                             injections=injs)
+    acted, drained = [], []
+
+    class Pump:
+        def drain(self):
+            drained.append(len(acted))
+
+    monkeypatch.setattr(agent, "_act", lambda inj, step: acted.append((inj.kind, step)))
+    injector = agent.Injector(ctx, Pump())
+    for step in range(0, 30):
+        injector.at_step(step)
+    injector.at_step(15)  # a hung rank that is continued does not fire again
+    assert acted == [("hang", 15), ("kill", 25)] and drained == [0, 1]
+    fired = [(e["kind"], e["step"], e["rank"], e["attempt"]) for e in run.events() if e["event"] == "inject.fired"]
+    assert fired == [("hang", 15, 1, 1), ("kill", 25, 1, 1)]
+
+
 def test_secrets_are_redacted_and_only_training_variables_kept():
     env = {"XLA_FLAGS": "--x", "JAX_API_KEY": "s3cr3t", "SLURM_JOB_ID": "7", "HF_TOKEN": "hf_abc",
            "CUDA_PASSWORD_FILE": "pw", "HOME": "/root", "NCCL_SECRET": "zz"}

@@ -15,6 +15,8 @@ from ..errors import RkitError
 from ..rundir import RunDir
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..config import Config
 
 MODULE = "maxtext.trainers.pre_train.train"
@@ -167,15 +169,20 @@ def resolve_base_config(name: str) -> str:
                     f"(looked in {', '.join(spec.submodule_search_locations)}/configs).")
 
 
-def keep_the_preemption_steps_metrics() -> None:
-    """In the training environment, before MaxText's train.main: MaxText raises StopTraining inside the loop's
-    `maybe_save_checkpoint` at the preemption sync point, before that step's metrics are buffered, so the step
-    the save ends on had no metrics line. Defer the raise until the step's train metrics are buffered; MaxText's
-    final flush then writes them (an eval due at that step still runs first)."""
+def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
+    """In the training environment, before MaxText's train.main. Two hooks on the loop's per-step calls:
+
+    - `on_step(step)` runs in the loop's own thread once each training step is dispatched, its save (if due)
+      started and its metrics buffered: fault injections fire there, at exactly their step (fired from a
+      thread that follows the metrics file, they came whole steps late, and a short run could finish first).
+    - MaxText raises StopTraining inside the loop's `maybe_save_checkpoint` at the preemption sync point,
+      before that step's metrics are buffered, so the step the save ends on had no metrics line. The raise is
+      deferred until the step's train metrics are buffered; MaxText's final flush then writes them (an eval
+      due at that step still runs first)."""
     from maxtext.common import checkpointing, metric_logger
     from maxtext.utils import exceptions
 
-    if getattr(checkpointing.maybe_save_checkpoint, "rkit_deferred", False):
+    if getattr(checkpointing.maybe_save_checkpoint, "rkit_hooked", False):
         return
     pending: list[BaseException] = []
     save, buffer = checkpointing.maybe_save_checkpoint, metric_logger.MetricLogger.buffer_and_write_metrics
@@ -191,9 +198,12 @@ def keep_the_preemption_steps_metrics() -> None:
 
     def buffer_and_write_metrics(self, metrics, step, step_time_delta=None, is_training=True):
         buffer(self, metrics, step, step_time_delta, is_training)
-        if pending and is_training:
+        if not is_training:
+            return
+        on_step(int(step))
+        if pending:
             raise pending.pop()
 
-    maybe_save_checkpoint.rkit_deferred = True  # type: ignore[attr-defined]
+    maybe_save_checkpoint.rkit_hooked = True  # type: ignore[attr-defined]
     checkpointing.maybe_save_checkpoint = maybe_save_checkpoint
     metric_logger.MetricLogger.buffer_and_write_metrics = buffer_and_write_metrics
