@@ -21,6 +21,7 @@ from .image import resolve as resolve_image
 from .inject import Injection
 from .policy import Progress, RunState
 from .recipe import Recipe, parse_recipe
+from .recipe_yaml import unsafe_path_chars
 from .rundir import EV, RunDir, RunLock, write_json_atomic
 from .stamp import canonical_json, config_hash, hashed_config, is_secret_name
 from .supervisor import Supervisor, default_jax_cache_dir
@@ -36,6 +37,10 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
     """Create the run directory (atomically: mkdir fails if it exists) or reopen it for --resume,
     holding the writer lock for as long as the caller runs."""
     run = run_path(recipe)
+    if bad := unsafe_path_chars(str(run.path.resolve())):
+        raise RkitError(f"{run.path.resolve()}: the run directory's path holds {bad}, which Apptainer's --bind "
+                        "and Slurm's --output would read as separators or patterns; set runs_dir (or run from) a "
+                        "directory without them.")
     run.path.parent.mkdir(parents=True, exist_ok=True)
     created = False
     try:

@@ -32,7 +32,19 @@ OWNED_OPTIONS = {
     "--partition": "slurm.partition", "--account": "slurm.account", "--qos": "slurm.qos", "--time": "slurm.time",
     "--gpus-per-node": "slurm.gpus_per_node", "--exclusive": "slurm.exclusive", "--wrap": "the batch script",
     "--container": "image and slurm.container_launch", "--chdir": "the run directory",
+    "--export": "rkit passes the environment the job needs", "--export-file": "rkit passes the environment",
 }
+# sbatch options that are whole options of their own although an owned option starts with them
+NOT_ABBREVIATIONS = {"--gpus"}
+
+
+def owned_option(name: str) -> str | None:
+    """The owned option `name` means to sbatch, which takes any unambiguous prefix (--outp is --output)."""
+    if name in OWNED_OPTIONS:
+        return name
+    if name in NOT_ABBREVIATIONS or len(name) < 4:
+        return None
+    return next((owned for owned in sorted(OWNED_OPTIONS) if owned.startswith(name)), None)
 
 
 @dataclass(frozen=True)
