@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .inject import FIRED_EVENT, Injection
-from .rundir import EV, RunDir, write_json_atomic
+from .rundir import EV, UMASK_ENV, RunDir, open_for_writing, write_json_atomic
 from .telemetry import metrics
 from .telemetry.metrics import MetricsTail
 from .telemetry.node import node_name, start_node_services
@@ -117,7 +117,7 @@ def arm_stack_dumps(ctx: AgentContext) -> Path:
     path = ctx.run.stacks_file(ctx.attempt, ctx.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     global _STACKS_FILE  # faulthandler keeps only the descriptor: the file object must stay alive
-    _STACKS_FILE = open(path, "a")  # noqa: SIM115
+    _STACKS_FILE = os.fdopen(open_for_writing(path), "a")  # noqa: SIM115
     faulthandler.register(signal.SIGQUIT, file=_STACKS_FILE, all_threads=True)
     return path
 
@@ -169,7 +169,7 @@ class MetricsPump:
         ctx.run.maxtext_metrics_file(ctx.attempt, ctx.rank).parent.mkdir(parents=True, exist_ok=True)
         self.sampler = StepSampler()
         self.node = node_name()
-        self.fd = os.open(ctx.run.metrics_file(ctx.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.fd = open_for_writing(ctx.run.metrics_file(ctx.rank))
         self._lock = threading.Lock()
 
     def drain(self) -> None:
@@ -247,6 +247,7 @@ def watch_supervisor(environ: dict[str, str] | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
+    os.umask(int(os.environ.get(UMASK_ENV, "077"), 8))  # the run's access, whatever reached this process
     watch_supervisor()  # first: jax.distributed's set-up below may block for minutes
     ctx = AgentContext.from_env()
     # When this process started (after any container runtime): splits restart latency into its parts.

@@ -89,6 +89,7 @@ class Slurm:
 class Config:
     name: str
     runs_dir: str
+    access: str
     image: str
     launcher: str
     trainer: Trainer

@@ -29,13 +29,14 @@ def read_text(path: Path) -> str:
         raise RkitError(f"{source}: no such recipe file. Give the path of a YAML recipe (see recipes/).") from None
     except OSError as exc:
         raise RkitError(f"{source}: cannot read the recipe: {exc.strerror}.") from None
-    with os.fdopen(fd, "rb") as fh:
-        mode = os.fstat(fd).st_mode
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
         if stat.S_ISDIR(mode):
             raise RkitError(f"{source}: is a directory, not a recipe file. Give the path of a YAML recipe.")
-        if not stat.S_ISREG(mode):
-            raise RkitError(f"{source}: is not a regular file (a FIFO, device or socket); give the path of a "
-                            "YAML recipe file.")
+        raise RkitError(f"{source}: is not a regular file (a FIFO, device or socket); give the path of a "
+                        "YAML recipe file.")
+    with os.fdopen(fd, "rb") as fh:
         try:
             data = fh.read(MAX_RECIPE_BYTES + 1)
         except OSError as exc:
@@ -216,15 +217,16 @@ TEXT_KEYS = {("slurm", "time")}
 
 def keep_as_written(node: yaml.MappingNode, data: dict) -> None:
     for path in TEXT_KEYS:
-        scalar, target = node, data
+        written, target = node, data
         for part in path:
-            scalar = next((v for k, v in getattr(scalar, "value", ()) if getattr(k, "value", None) == part), None)
-            if not isinstance(scalar, (yaml.MappingNode, yaml.ScalarNode)) or not isinstance(target, dict):
+            if not isinstance(written, yaml.MappingNode) or not isinstance(target, dict):
                 break
-            if part == path[-1] and isinstance(scalar, yaml.ScalarNode) and isinstance(target.get(part), int) \
-                    and not isinstance(target.get(part), bool):
-                target[part] = scalar.value
-            target = target.get(part)
+            written = next((v for k, v in written.value if getattr(k, "value", None) == part), None)
+            value = target.get(part)
+            if part == path[-1] and isinstance(written, yaml.ScalarNode) and isinstance(value, int) \
+                    and not isinstance(value, bool):
+                target[part] = written.value
+            target = value
 
 
 def parse_override_value(raw: str) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 from . import __version__
 from .config import Config
 from .errors import RkitError
-from .rundir import EV, RunDir, write_atomic
+from .rundir import EV, RunDir, set_access, write_atomic
 from .telemetry import goodput, metrics
 from .telemetry.stragglers import SKIP_STEPS, find_stragglers, straggler_events
 
@@ -290,11 +290,12 @@ def write_report(run: RunDir, out: Path | None = None) -> list[Path]:
     out = run.report_dir if out is None else Path(out)
     if out.exists() and not out.is_dir():
         raise RkitError(f"{out}: exists and is not a directory; give --out a directory (it is created if missing).")
+    files = RunFiles.read(run)
+    set_access(files.config.access)  # the report is as private as the run
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RkitError(f"{out}: cannot create the report directory: {exc.strerror}.") from None
-    files = RunFiles.read(run)
     series = plot_series(run, files.events, config=files.config, lines=files.placed)
     d = summary(run, files)
     written = []

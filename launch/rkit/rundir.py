@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -84,21 +86,66 @@ def unwritable(path: Path, exc: OSError) -> RunDirUnwritable:
                             "`rkit run RECIPE --resume`.")
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one atomic writer: a reader never sees half a file (temp file beside it, fsync, rename). A refused
-    write leaves no temp file and raises RunDirUnwritable."""
-    tmp = path.with_name(f".{path.name}.tmp")
+# Who may read a run directory (the recipe's `access`), as the umask rkit and its trainers write it under.
+UMASKS = {"private": 0o077, "group": 0o027}
+UMASK_ENV = "RKIT_UMASK"  # the ranks' agents set it too (a launcher or container may not pass the umask on)
+
+
+def set_access(access: str) -> int:
+    """From now on this process (and what it starts: MaxText, Orbax, Slurm's output files) creates directories
+    0700 and files 0600 for 'private', 0750/0640 for 'group', whatever the user's umask."""
+    mask = UMASKS.get(access, UMASKS["private"])
+    os.umask(mask)
+    return mask
+
+
+def current_umask() -> int:
     try:
-        with open(tmp, "wb") as fh:
+        with open("/proc/self/status") as fh:
+            return int(next(line for line in fh if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o077)
+        os.umask(mask)
+        return mask
+
+
+class PlantedLink(RkitError):
+    def __init__(self, path: Path):
+        super().__init__(f"{path}: is a symbolic link; rkit does not write through links in a run directory "
+                         "(one planted there would redirect its writes elsewhere). Remove the link, check the run "
+                         "directory, and run again.")
+
+
+def open_for_writing(path: Path, flags: int = os.O_WRONLY | os.O_APPEND | os.O_CREAT) -> int:
+    """The one way to open a run-directory file for writing: never through a symbolic link (PlantedLink)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PlantedLink(path) from None
+        raise
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """The one atomic writer: a reader never sees half a file (a uniquely named temp file beside it, created
+    new, fsync, rename over `path`, which replaces a link rather than writing through it). A refused write
+    leaves no temp file and raises RunDirUnwritable."""
+    tmp = None
+    try:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(name)
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fd, 0o666 & ~current_umask())
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
         raise unwritable(path, exc) from None
 
 
@@ -323,7 +370,7 @@ class RunDir:
         line = json.dumps(event, sort_keys=True, default=str) + "\n"
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.events_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = open_for_writing(self.events_file)
             try:
                 os.write(fd, line.encode("utf-8"))
             finally:
@@ -345,7 +392,7 @@ class RunDir:
         path = self.path / LOCK
         if not path.exists():
             return False
-        with open(path, "a+") as fh:
+        with os.fdopen(open_for_writing(path, os.O_RDWR | os.O_CREAT), "r+") as fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -362,7 +409,7 @@ class RunLock:
         self._fh = None
 
     def acquire(self) -> RunLock:
-        fh = open(self.path, "a+")
+        fh = os.fdopen(open_for_writing(self.path, os.O_RDWR | os.O_CREAT), "r+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

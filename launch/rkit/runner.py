@@ -22,7 +22,7 @@ from .inject import Injection
 from .policy import Progress, RunState
 from .recipe import Recipe, parse_recipe
 from .recipe_yaml import unsafe_path_chars
-from .rundir import EV, RunDir, RunLock, write_json_atomic
+from .rundir import EV, RunDir, RunLock, set_access, write_atomic, write_json_atomic
 from .stamp import canonical_json, config_hash, hashed_config, is_secret_name
 from .supervisor import Supervisor, default_jax_cache_dir
 
@@ -41,6 +41,7 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
         raise RkitError(f"{run.path.resolve()}: the run directory's path holds {bad}, which Apptainer's --bind "
                         "and Slurm's --output would read as separators or patterns; set runs_dir (or run from) a "
                         "directory without them.")
+    mask = set_access(recipe.config.access)  # everything written from here on: 0700/0600 (private) or 0750/0640
     run.path.parent.mkdir(parents=True, exist_ok=True)
     created = False
     try:
@@ -56,6 +57,7 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
     except OSError as exc:
         raise RkitError(f"{run.path}: cannot create the run directory: {exc.strerror}. "
                         "Check runs_dir in the recipe.") from None
+    os.chmod(run.path, 0o777 & ~mask)  # also a run made before `access` existed, or under another umask
     lock = run.lock().acquire()
     try:
         if created:
@@ -72,7 +74,7 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
           extra: dict) -> None:
     run.attempts_dir.mkdir()
     run.metrics_dir.mkdir()
-    run.recipe.write_text(recipe.text, encoding="utf-8")
+    write_atomic(run.recipe, recipe.text)
     write_json_atomic(run.resolved, recipe.resolved)
     host = manifest.capture(recipe_path=Path(recipe.source))
     if "reproduced_from" in extra:
@@ -189,6 +191,7 @@ def supervise(run_path: Path) -> RunState:
     jax_cache = default_jax_cache_dir()
     Path(jax_cache).mkdir(parents=True, exist_ok=True)
     config = Config.from_resolved(resolved)
+    set_access(config.access)
     res = config.resources
     backend = slurm.SlurmStepBackend(
         nodes_per_step=res.nodes, tasks_per_node=res.processes_per_node,

@@ -11,8 +11,8 @@ import json
 import re
 from typing import Any
 
-# Keys that identify a run rather than describe its training: left out of the config hash.
-IDENTITY_KEYS = ("name", "runs_dir")
+# Keys that say which run this is and where and for whom it is kept, not what it trains: left out of the hash.
+IDENTITY_KEYS = ("name", "runs_dir", "access")
 
 # A variable (or recipe env key) is secret when its name contains one of SECRET_WORDS anywhere, or one of its
 # _-separated parts is one of SECRET_PARTS (short words that are parts of ordinary names too: PATH, BYPASS),

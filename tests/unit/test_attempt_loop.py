@@ -374,7 +374,10 @@ def test_a_rank_failing_with_room_on_disk_is_not_disk_full(tmp_path, monkeypatch
     assert attempt(sup).cause is Cause.TASK_EXIT
 
 
-def test_an_unwritable_run_directory_stops_the_attempt_with_one_diagnosis(tmp_path):
+def test_an_unwritable_run_directory_stops_the_attempt_with_one_diagnosis(tmp_path, monkeypatch):
+    import os
+
+    from rkit import rundir
     from rkit.errors import RunDirUnwritable
 
     sup, backend = make(tmp_path, Script())
@@ -382,8 +385,7 @@ def test_an_unwritable_run_directory_stops_the_attempt_with_one_diagnosis(tmp_pa
 
     def emit(name, /, **fields):
         if name == EV.ATTEMPT_FIRST_STEP:  # the events file's file system is full from here on
-            sup.run.events_file.unlink()
-            sup.run.events_file.symlink_to("/dev/full")
+            monkeypatch.setattr(rundir, "open_for_writing", lambda path: os.open("/dev/full", os.O_WRONLY))
         return real_emit(name, **fields)
 
     sup.run.emit = emit
@@ -395,14 +397,18 @@ def test_an_unwritable_run_directory_stops_the_attempt_with_one_diagnosis(tmp_pa
     assert caught.value.exit_code == 1
 
 
-def test_a_refused_atomic_write_leaves_no_temp_file(tmp_path):
-    from rkit.errors import RunDirUnwritable
-    from rkit.rundir import write_json_atomic
+def test_a_refused_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    import errno
 
-    target = tmp_path / "attempt.json"
-    (tmp_path / ".attempt.json.tmp").symlink_to("/dev/full")
+    from rkit import rundir
+    from rkit.errors import RunDirUnwritable
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "fsync", full)
     with pytest.raises(RunDirUnwritable, match="No space left on device"):
-        write_json_atomic(target, {"a": 1})
+        rundir.write_json_atomic(tmp_path / "attempt.json", {"a": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

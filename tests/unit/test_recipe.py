@@ -32,9 +32,9 @@ def test_hash_ignores_key_order_comments_and_quoting():
 
 def test_hash_excludes_only_identity():
     base = load_recipe(TINY)
-    renamed = load_recipe(TINY, ["name=another", "runs_dir=/elsewhere"])
+    renamed = load_recipe(TINY, ["name=another", "runs_dir=/elsewhere", "access=group"])
     assert renamed.config_hash == base.config_hash
-    assert set(IDENTITY_KEYS) == {"name", "runs_dir"}
+    assert set(IDENTITY_KEYS) == {"name", "runs_dir", "access"}
 
 
 def _leaves(value, prefix=()):

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..rundir import RunDir
+from ..rundir import RunDir, open_for_writing, write_atomic
 from .base import Handle, RankExit
 
 
@@ -129,7 +129,7 @@ class LocalBackend:
                 prefix = "APPTAINERENV_" if self.container else ""
                 env = {**r.env, f"{prefix}RKIT_SUPERVISOR_FD": str(read_end), f"{prefix}RKIT_SUPERVISOR_TOKEN": token}
                 try:
-                    with open(r.log, "ab") as log:
+                    with os.fdopen(open_for_writing(r.log), "ab") as log:
                         handle.procs[r.rank] = subprocess.Popen(
                             r.argv, env=env, cwd=request.cwd, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(read_end,))
@@ -227,7 +227,7 @@ class LocalBackend:
                 try:
                     done = subprocess.run([pyspy, "dump", "--pid", str(target)], capture_output=True, text=True,
                                           timeout=30, check=False)
-                    (out_dir / RunDir.stacks_file_name(rank, "py-spy")).write_text(done.stdout + done.stderr)
+                    write_atomic(out_dir / RunDir.stacks_file_name(rank, "py-spy"), done.stdout + done.stderr)
                     continue
                 except (OSError, subprocess.TimeoutExpired):
                     how = "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import RkitError
-from ..rundir import RunDir
+from ..rundir import RunDir, current_umask, open_for_writing, write_atomic
 from .base import Handle, NotEnoughNodes, RankExit
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
@@ -102,8 +102,8 @@ def _visible(text: str) -> str:
 
 
 def submit(request: BatchRequest) -> str:
-    request.script_path.write_text(request.script, encoding="utf-8")
-    request.script_path.chmod(0o755)
+    write_atomic(request.script_path, request.script)  # replaces a planted link instead of writing through it
+    os.chmod(request.script_path, 0o777 & ~current_umask())  # a new file of ours: executable, as private as the run
     try:
         done = subprocess.run(request.argv, capture_output=True, text=True, timeout=120, check=False)
     except FileNotFoundError:
@@ -273,7 +273,7 @@ class SlurmStepBackend:
 
     def submit(self, request: StepRequest) -> StepHandle:
         request.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(request.log, "ab") as log:
+        with os.fdopen(open_for_writing(request.log), "ab") as log:
             proc = subprocess.Popen(request.argv, env=request.env, cwd=request.cwd, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         return StepHandle(request=request, proc=proc)

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from ..rundir import EV, RunDir, nearest_existing, read_jsonl
+from ..rundir import EV, RunDir, nearest_existing, open_for_writing, read_jsonl
 from .gpu import (  # noqa: F401 - the probes are named through this module too
     ABSENT,
     GPU_BACKEND_ENV,
@@ -93,7 +93,7 @@ class HealthSampler:
         """Take one sample, append it (one write), check the disks; returns the line written."""
         line = {"node": self.node, "attempt": self.attempt, **sample(self.paths, gpu=self.gpu)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_for_writing(self.path)
         try:
             os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode("utf-8"))
         finally:

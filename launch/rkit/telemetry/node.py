@@ -27,7 +27,7 @@ from typing import Any
 
 from ..config import Observability
 from ..errors import RkitError
-from ..rundir import RunDir, write_json_atomic
+from ..rundir import RunDir, open_for_writing, write_json_atomic
 
 PR_SET_PDEATHSIG = 1
 NICENESS = 10
@@ -79,7 +79,7 @@ def start_node_services(run: RunDir, attempt: int, node: str | None = None, node
         log.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "rkit.telemetry.node", "--run", str(run.path), "--attempt", str(attempt),
                 "--node", node, "--node-index", str(index), "--parent-pid", str(os.getpid())]
-        with open(log, "ab") as out:
+        with os.fdopen(open_for_writing(log), "ab") as out:
             # Same process group as the agent: a backend that stops the rank's group stops this too.
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=dict(env), close_fds=True)
