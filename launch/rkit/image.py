@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -41,12 +42,20 @@ def apptainer() -> str:
     return found
 
 
+_DIGESTS: dict[tuple, str] = {}  # (device, inode, size, mtime): an image is hashed once per command, not per check
+
+
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key in _DIGESTS:
+            return _DIGESTS[key]
+        digest = hashlib.sha256()
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
-    return f"sha256:{digest.hexdigest()}"
+    _DIGESTS[key] = found = f"sha256:{digest.hexdigest()}"
+    return found
 
 
 # The part of rkit that runs inside an image (the agent and what it imports, and the build-time writer of
@@ -126,6 +135,10 @@ def mirror_reachable(mirror: str, timeout: float = 10) -> bool:
         return False
 
 
+# MIRROR is pasted into the definition's %post and header: only a plain URL, never a shell word or credentials.
+PLAIN_URL = re.compile(r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/+-]*)?$")
+
+
 def plan_build(flavor: str, overrides: dict[str, str] | None = None,
                log: Callable[[str], None] = lambda line: None) -> BuildPlan:
     if flavor not in FLAVORS:
@@ -147,6 +160,10 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None,
         base_reference, base_digest = base["reference"], base["digest"]
         args["BASE"] = f"{base_reference}@{base_digest}"
     unknown = set(overrides or {}) - set(args)
+    if "MIRROR" in (overrides or {}) and not PLAIN_URL.fullmatch(overrides["MIRROR"]):
+        raise RkitError(f"--build-arg MIRROR={overrides['MIRROR']!r}: give a plain http(s) URL of a Debian mirror "
+                        "(letters, digits and ._~%/+- in the path; no credentials, spaces or quotes), e.g. "
+                        f"{base.get('fallback_mirror', 'http://deb.debian.org/debian')}.")
     if unknown:
         raise RkitError(f"--build-arg {', '.join(sorted(unknown))}: not a build argument of {flavor}.def "
                         f"(it takes {', '.join(sorted(args))}).")
@@ -331,14 +348,25 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
     if want_sha256:
         for record in records:
             if record["sha256"] == want_sha256:
-                return Path(record["path"])
+                return _unchanged(record)
     plan = plan_build(flavor, {"MIRROR": "any"} if flavor == "cpu" else None)
     same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_agent_sha256")
     current = [r for r in records if all(r["key_material"].get(k) == plan.key_material[k] for k in same)]
     if not current:
         raise RkitError(f"image {flavor!r}: no {flavor} image built from the current containers/{flavor}.def, its "
                         f"lock and this rkit in {cache_dir()}; build it with `make image FLAVOR={flavor}`.")
-    return Path(current[0]["path"])
+    return _unchanged(current[0])
+
+
+def _unchanged(record: dict[str, Any]) -> Path:
+    """A cached image is used only while its digest is the one recorded when it was built."""
+    path = Path(record["path"])
+    found = sha256_file(path)
+    if found != record.get("sha256"):
+        raise RkitError(f"{path}: the cached {record.get('flavor')} image changed after it was built (recorded "
+                        f"{record.get('sha256')}, found {found}); something replaced or damaged it. Rebuild it "
+                        f"with `rkit image build {record.get('flavor')} --force`.")
+    return path
 
 
 def locate(reference: str, want_sha256: str | None = None) -> Path | None:

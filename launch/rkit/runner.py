@@ -168,8 +168,10 @@ def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
 
 def slurm_job(run: RunDir) -> str | None:
     """The Slurm job id this run was last submitted as."""
-    ids = [e["job_id"] for e in run.events() if e.get("event") == EV.JOB_SUBMITTED]
-    return ids[-1] if ids else None
+    from .backends.slurm import checked_job_id
+
+    ids = [e.get("job_id") for e in run.events() if e.get("event") == EV.JOB_SUBMITTED]
+    return checked_job_id(ids[-1], f"{run.events_file} (job.submitted)") if ids else None
 
 
 def supervise(run_path: Path) -> RunState:

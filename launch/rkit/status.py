@@ -26,7 +26,7 @@ def slurm_info(events: list[dict]) -> dict[str, Any] | None:
         return None
     from .backends import slurm
 
-    job = submitted[-1]["job_id"]
+    job = slurm.checked_job_id(submitted[-1].get("job_id"), "events.jsonl (job.submitted)")
     live = slurm.job_state(job)
     started = [e for e in events if e.get("event") == EV.JOB_STARTED and e.get("job_id") == job]
     excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from spython.main.parse.parsers import SingularityParser
 
+from rkit.errors import RkitError
 from rkit.image import definition_arguments, plan_build
 
 from ..conftest import REPO
@@ -130,3 +131,27 @@ def test_image_side_files_cover_what_the_agent_imports():
         parts = module.split(".")[1:]
         candidates = {"/".join(parts) + ".py", "/".join(parts + ["__init__.py"])} if parts else {"__init__.py"}
         assert candidates & set(IMAGE_SIDE_FILES), module
+
+
+@pytest.mark.parametrize("mirror", ["http://deb.debian.org/debian; rm -rf /", "http://u:pw@mirror/debian",
+                                    "ftp://deb.debian.org/debian", "http://mirror/debian $(id)",
+                                    "http://mirror/deb'ian", "file:///etc", "http://mirror/debian\n"])
+def test_mirror_is_only_a_plain_http_url(mirror):
+    with pytest.raises(RkitError, match="plain http"):
+        plan_build("cpu", {"MIRROR": mirror})
+    assert plan_build("cpu", {"MIRROR": "https://snapshot.debian.org/archive/debian/20261101T000000Z/"}).key
+
+
+def test_a_cached_image_is_used_only_while_its_digest_is_the_recorded_one(tmp_path, monkeypatch):
+    from rkit import image
+
+    monkeypatch.setenv("RKIT_IMAGE_CACHE", str(tmp_path))
+    sif = tmp_path / "cpu-abc.sif"
+    sif.write_bytes(b"an image")
+    digest = image.sha256_file(sif)
+    (tmp_path / "cpu-abc.json").write_text(json.dumps({"flavor": "cpu", "path": str(sif), "sha256": digest,
+                                                       "key_material": {}, "built": 1}))
+    assert image.resolve_flavor("cpu", want_sha256=digest) == sif
+    sif.write_bytes(b"a replaced image")
+    with pytest.raises(RkitError, match="changed after it was built .* Rebuild it with `rkit image build cpu --force`"):
+        image.resolve_flavor("cpu", want_sha256=digest)

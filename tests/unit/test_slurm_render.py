@@ -100,3 +100,23 @@ def test_srun_error_lines_and_ports():
     assert (node, _ranks(tasks), what) == ("c2", [1], "Exited with exit code 3")
     assert _ranks("0-2,5") == [0, 1, 2, 5]
     assert step_port("12", 1) != step_port("12", 2) and 20000 <= step_port("12", 1) < 40000
+
+
+@pytest.mark.parametrize("job_id", ["-1", "--signal=KILL", "12;34", "12 34", "", None, 12, "1_2_3", "abc", "12\n"])
+def test_job_ids_are_checked_before_any_slurm_command(job_id, tmp_path: Path, monkeypatch):
+    from rkit import runner
+    from rkit.backends import slurm
+    from rkit.errors import RkitError
+
+    ran = []
+    monkeypatch.setattr(slurm.subprocess, "run", lambda argv, **kw: ran.append(argv))
+    for call in (slurm.cancel, slurm.requeue, slurm.job_state, lambda j: slurm.exclude_nodes(j, ["n1"])):
+        with pytest.raises(RkitError, match="is not a Slurm job id"):
+            call(job_id)
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.emit("job.submitted", job_id=job_id)
+    with pytest.raises(RkitError, match=r"events.jsonl \(job.submitted\).*not a Slurm job id"):
+        runner.slurm_job(run)
+    assert ran == []
+    assert [slurm.checked_job_id(j) for j in ("7", "123_4", "99+1")] == ["7", "123_4", "99+1"]

@@ -154,9 +154,22 @@ def node_address(node: str) -> str:
     return match.group(1) if match else node
 
 
+# A Slurm job id: digits, with _N for an array task or +N for a heterogeneous job's component.
+JOB_ID = re.compile(r"^[0-9]{1,12}([_+][0-9]{1,9})?$")
+
+
+def checked_job_id(job_id: object, where: str = "") -> str:
+    """`job_id` if it is a Slurm job id; before any Slurm command sees it (an id read back from a run's files
+    could be anything, `-1` or `--signal=KILL` included)."""
+    if isinstance(job_id, str) and JOB_ID.fullmatch(job_id):
+        return job_id
+    raise RkitError(f"{where or 'Slurm job id'}: {job_id!r} is not a Slurm job id (digits, with _N for an array "
+                    "task); was the file edited? No Slurm command was run.")
+
+
 def job_state(job_id: str) -> dict[str, str]:
     """State, reason, nodes and restart count of a job as squeue sees it; {} when it left the queue."""
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%N|%D"])
+    out = _run(["squeue", "-h", "-j", checked_job_id(job_id), "-o", "%T|%r|%N|%D"])
     if not out.strip():
         return {}
     state, reason, nodes, count = (out.strip().splitlines()[0].split("|") + ["", "", "", ""])[:4]
@@ -164,19 +177,20 @@ def job_state(job_id: str) -> dict[str, str]:
 
 
 def requeue(job_id: str) -> bool:
-    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
+    done = subprocess.run(["scontrol", "requeue", checked_job_id(job_id)], capture_output=True, text=True,
+                          check=False)
     return done.returncode == 0
 
 
 def exclude_nodes(job_id: str, nodes: list[str]) -> bool:
     """Keep NODES out of a pending job's next allocation (Slurm refuses this for a running job)."""
-    done = subprocess.run(["scontrol", "update", f"jobid={job_id}", f"ExcNodeList={','.join(nodes)}"],
+    done = subprocess.run(["scontrol", "update", f"jobid={checked_job_id(job_id)}", f"ExcNodeList={','.join(nodes)}"],
                           capture_output=True, text=True, check=False)
     return done.returncode == 0
 
 
 def cancel(job_id: str) -> bool:
-    done = subprocess.run(["scancel", job_id], capture_output=True, text=True, check=False)
+    done = subprocess.run(["scancel", checked_job_id(job_id)], capture_output=True, text=True, check=False)
     return done.returncode == 0
 
 
