@@ -52,13 +52,27 @@ class AgentContext:
 
 def init_distributed(ctx: AgentContext) -> None:
     """jax.distributed for every attempt, one process too: its preemption service is what turns a SIGTERM into
-    a save at the sync point (without it a one-process run dies on SIGTERM and recomputes from the last period)."""
+    a save at the sync point (without it a one-process run dies on SIGTERM and recomputes from the last period).
+    Process 0's coordination service listens on the coordinator's own address (127.0.0.1 for the local
+    launcher, the first node's address on Slurm), not on every interface as JAX does by default."""
     if not ctx.coordinator:
         return
     import jax
 
     jax.distributed.initialize(coordinator_address=ctx.coordinator, num_processes=ctx.processes,
-                               process_id=ctx.rank)
+                               process_id=ctx.rank, coordinator_bind_address=ctx.coordinator)
+
+
+MAXTEXT_ENV_PREFIX = "M_"  # MaxText's pyconfig reads M_<KEY> as the setting <key>
+
+
+def drop_maxtext_settings_from_env(environ: dict[str, str] | os._Environ) -> list[str]:
+    """MaxText takes M_<KEY> variables as settings, outside the recipe and its config hash (and an M_ variable
+    for a key rkit owns would undo it). The recipe's trainer.overrides is the one way in: drop them all."""
+    names = sorted(k for k in environ if k.startswith(MAXTEXT_ENV_PREFIX))
+    for name in names:
+        del environ[name]
+    return names
 
 
 def write_env_manifest(ctx: AgentContext) -> Path:
@@ -252,6 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     ctx = AgentContext.from_env()
     # When this process started (after any container runtime): splits restart latency into its parts.
     ctx.run.emit(EV.AGENT_STARTED, attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())
+    if dropped := drop_maxtext_settings_from_env(os.environ):
+        sys.stderr.write(f"rkit: ignored {', '.join(dropped)}: MaxText would read them as settings outside the "
+                         "recipe; put them in trainer.overrides\n")
+        ctx.run.emit(EV.AGENT_ENV_DROPPED, attempt=ctx.attempt, rank=ctx.rank, names=dropped)
     init_distributed(ctx)
     write_env_manifest(ctx)
     start_node_services(ctx.run, ctx.attempt)  # health sampler + exporter; local rank 0 of a node only

@@ -273,12 +273,18 @@ def metrics() -> None:
               help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True,
               help="Port to listen on (0: any free port).")
-def metrics_serve(run_dir: Path, interface: str, port: int) -> None:
-    """Serve RUN's training, node health and attempt metrics at /metrics until Ctrl-C (live or finished)."""
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate: serve HTTPS.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key of --tls-cert.")
+@click.option("--insecure", is_flag=True, help="Plain HTTP on an interface beyond loopback (warned about).")
+def metrics_serve(run_dir: Path, interface: str, port: int, tls_cert: str | None, tls_key: str | None,
+                  insecure: bool) -> None:
+    """Serve RUN's training, node health and attempt metrics at /metrics until Ctrl-C (live or finished).
+    Beyond loopback only over HTTPS (--tls-cert, --tls-key), unless --insecure."""
     from .rundir import RunDir
     from .telemetry import exporter
 
-    exporter.serve_until_interrupted(RunDir(run_dir).require(), interface=interface, port=port, echo=click.echo)
+    exporter.serve_until_interrupted(RunDir(run_dir).require(), interface=interface, port=port, echo=click.echo,
+                                     tls_cert=tls_cert, tls_key=tls_key, insecure=insecure)
 
 
 @main.command()

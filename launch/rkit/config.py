@@ -60,6 +60,9 @@ class Prometheus:
     enabled: bool
     interface: str
     port: int
+    tls_cert: str | None = None  # PEM: HTTPS (no default in the schema, so older config hashes are unchanged)
+    tls_key: str | None = None
+    insecure: bool | None = None  # plain HTTP beyond loopback, warned about on every start
 
 
 @dataclass(frozen=True)

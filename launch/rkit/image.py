@@ -64,7 +64,7 @@ def sha256_file(path: Path) -> str:
 IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "config.py", "defaults.py", "errors.py", "imageinfo.py", "inject.py",
                     "manifest.py", "rundir.py", "schema/recipe.schema.json", "stamp.py", "telemetry/__init__.py",
                     "telemetry/metrics.py", "telemetry/node.py", "telemetry/health.py", "telemetry/gpu.py",
-                    "telemetry/exporter.py",
+                    "telemetry/exporter.py", "telemetry/exposure.py",
                     "trainers/__init__.py", "trainers/maxtext.py")
 
 

@@ -160,6 +160,16 @@ def _semantic_problems(data: dict) -> list[Problem]:
                 means = "" if owned == name else f" ({name} is sbatch's abbreviation of {owned})"
                 problems.append(Problem(f"slurm.extra_sbatch[{i}]", f"rkit sets {owned} itself{means}: "
                                                                     f"{SLURM_OWNED_OPTIONS[owned]}."))
+    prom = (data.get("observability") or {}).get("prometheus") if isinstance(data.get("observability"), dict) \
+        else None
+    if isinstance(prom, dict) and prom.get("enabled") and isinstance(prom.get("interface"), str):
+        from .telemetry.exposure import exposure
+
+        why = exposure(prom["interface"], prom.get("tls_cert"), prom.get("tls_key"), bool(prom.get("insecure")))
+        if why is not None:
+            problems.append(Problem("observability.prometheus.interface",
+                                    why.replace("give a certificate and key", "set tls_cert and tls_key")
+                                    .replace("say insecure", "set insecure: true")))
     runs_dir = data.get("runs_dir")
     if isinstance(runs_dir, str) and (bad := unsafe_path_chars(runs_dir)):
         problems.append(Problem("runs_dir", f"{runs_dir!r} holds {bad}, which Apptainer's --bind and Slurm's "

@@ -52,6 +52,8 @@ class EV:
     NODE_STRAGGLER = "node.straggler"
     INJECT_FIRED = "inject.fired"
     DISK_LOW = "disk.low"
+    AGENT_ENV_DROPPED = "agent.env_dropped"  # M_<KEY> variables removed before MaxText read them (names only)
+    EXPORTER_INSECURE = "exporter.insecure"  # a node's exporter serves plain HTTP beyond loopback (insecure: true)
     CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
 
 

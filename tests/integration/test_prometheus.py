@@ -5,6 +5,7 @@ One training run (60 steps, default observability settings but a 1 s health samp
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import signal
@@ -118,18 +119,27 @@ def live(tmp_path_factory) -> LiveRun:
             training.wait(timeout=60)
 
 
-def test_exporter_listens_on_loopback_only_by_default(live: LiveRun):
+def test_exporter_and_jax_coordinator_listen_on_loopback_only(live: LiveRun):
     assert live.exporter["host"] == "127.0.0.1"
     addresses = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
                  if a.family == socket.AF_INET and not a.address.startswith("127.")]
     if not addresses:
         pytest.skip("this machine has no non-loopback IPv4 address to try")
+    # Rank 0 hosts JAX's coordination service (JAX binds every interface unless told otherwise).
+    pids = wait_until(lambda: (read_json(live.run.attempt_dir(1) / "attempt.json") or {}).get("pids"), 60,
+                      "the ranks' pids", every=0.25)
+    rank0 = psutil.Process(int(pids["0"]))
+    coordinator = int(rank0.environ()["RKIT_COORDINATOR"].rsplit(":", 1)[1])
+    listening = [c.laddr for c in rank0.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     assert live.training.poll() is None, "the run ended before its exporter could be checked"
+    bound = [ipaddress.ip_address(a.ip) for a in listening if a.port == coordinator]
+    assert bound and all((getattr(ip, "ipv4_mapped", None) or ip).is_loopback for ip in bound), listening
     with urllib.request.urlopen(f"http://127.0.0.1:{live.exporter['port']}/metrics", timeout=10) as response:
         assert response.status == 200  # it is up on loopback...
     for address in addresses:
-        with pytest.raises(ConnectionRefusedError):  # ...and refused on every other address of this machine
-            socket.create_connection((address, live.exporter["port"]), timeout=5).close()
+        for port in (live.exporter["port"], coordinator):
+            with pytest.raises(ConnectionRefusedError):  # ...and refused on every other address of this machine
+                socket.create_connection((address, port), timeout=5).close()
 
 
 def test_prometheus_scrapes_the_step_as_it_advances(live: LiveRun):

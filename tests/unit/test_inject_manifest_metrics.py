@@ -251,3 +251,11 @@ def test_no_pipe_or_a_wrong_token_watches_nothing():
     os.close(write_end)
     os.close(read_end)
     assert watch_supervisor({"RKIT_SUPERVISOR_FD": "9999", "RKIT_SUPERVISOR_TOKEN": "x"}) is None
+
+
+def test_maxtext_settings_from_the_environment_are_dropped():
+    from rkit import agent
+
+    env = {"M_STEPS": "5", "M_LEARNING_RATE": "1", "MAXTEXT_HOME": "/x", "XLA_FLAGS": "--y", "HOME": "/root"}
+    assert agent.drop_maxtext_settings_from_env(env) == ["M_LEARNING_RATE", "M_STEPS"]
+    assert env == {"MAXTEXT_HOME": "/x", "XLA_FLAGS": "--y", "HOME": "/root"}

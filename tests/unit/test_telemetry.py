@@ -391,3 +391,68 @@ def test_node_process_exits_with_its_parent(run: RunDir):
     except psutil.TimeoutExpired:
         child.kill()
         raise AssertionError("the node process outlived its parent") from None
+
+
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    import ipaddress
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_serves_https_and_plain_http_beyond_loopback_needs_insecure(run: RunDir, tmp_path: Path):
+    import ssl
+
+    cert, key = self_signed(tmp_path)
+    served = exporter.serve(run, port=0, tls_cert=str(cert), tls_key=str(key))
+    try:
+        assert served.url.startswith("https://127.0.0.1:")
+        context = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(served.url, timeout=10, context=context) as response:
+            assert b"rkit_" in response.read()
+        with pytest.raises(OSError):  # plain HTTP to the TLS port is not answered with metrics
+            urllib.request.urlopen(served.url.replace("https://", "http://"), timeout=10).read()
+    finally:
+        served.close()
+    assert exporter.exposure("0.0.0.0", None, None, False) is not None
+    assert exporter.exposure("0.0.0.0", str(cert), str(key), False) is None
+    assert exporter.exposure("0.0.0.0", None, None, True) is None
+    assert exporter.exposure("::1", None, None, False) is None and exporter.exposure("127.0.0.2", None, None, False) \
+        is None
+    assert "both" in exporter.exposure("127.0.0.1", str(cert), None, False)
+    done = rkit("metrics", "serve", str(run.path), "--interface", "0.0.0.0", "--port", "0", check=2)
+    assert "without TLS" in done.stderr and "--insecure" in done.stderr and "Traceback" not in done.stderr
+    done = rkit("metrics", "serve", str(run.path), "--tls-cert", str(key), "--tls-key", str(key), "--port", "0",
+                check=2)
+    assert "TLS certificate" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_recipe_serving_beyond_loopback_needs_tls_or_insecure():
+    from rkit.errors import RecipeError
+    from rkit.recipe import load_recipe
+
+    from ..conftest import TINY
+
+    with pytest.raises(RecipeError, match=r"observability.prometheus.interface: 0.0.0.0 .*set tls_cert and tls_key"):
+        load_recipe(TINY, ["observability.prometheus.interface=0.0.0.0"])
+    loaded = load_recipe(TINY, ["observability.prometheus.interface=0.0.0.0", "observability.prometheus.insecure=true"])
+    assert loaded.config.observability.prometheus.insecure is True
+    assert load_recipe(TINY).config_hash == load_recipe(TINY).config_hash  # no new default: hashes unchanged

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import ssl
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 from ..errors import RkitError
 from ..rundir import EV, JsonlTail, RunDir
 from . import metrics as step_metrics
+from .exposure import INSECURE_WARNING, exposure, is_loopback  # noqa: F401 - node.py takes them from here too
 
 DEFAULT_INTERFACE = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -263,10 +265,12 @@ class Exporter:
     def port(self) -> int:
         return int(self.server.server_address[1])
 
+    tls: bool = False
+
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -275,14 +279,21 @@ class Exporter:
 
 
 def serve(run: RunDir, *, interface: str = DEFAULT_INTERFACE, port: int = DEFAULT_PORT,
-          nodes: Iterable[str] | None = None, training: bool = True, events: bool = True) -> Exporter:
-    """Serve `run`'s metrics at http://interface:port/metrics (port 0: any free port)."""
+          nodes: Iterable[str] | None = None, training: bool = True, events: bool = True,
+          tls_cert: str | None = None, tls_key: str | None = None) -> Exporter:
+    """Serve `run`'s metrics at http(s)://interface:port/metrics (port 0: any free port; HTTPS with a
+    certificate and key)."""
     registry = registry_for(run, nodes=nodes, training=training, events=events)
     try:
-        server, thread = start_http_server(port, addr=interface, registry=registry)
+        server, thread = start_http_server(port, addr=interface, registry=registry, certfile=tls_cert,
+                                           keyfile=tls_key)
     except OSError as exc:
+        if tls_cert and (isinstance(exc, ssl.SSLError) or "certificate" in str(exc)):
+            reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
+            raise RkitError(f"TLS certificate {tls_cert} / key {tls_key}: cannot be loaded ({reason}); give a PEM "
+                            "certificate and the key that belongs to it.") from None
         raise bind_error(interface, port, exc) from None
-    return Exporter(server, thread)
+    return Exporter(server, thread, tls=bool(tls_cert))
 
 
 def bind_error(interface: str, port: int, exc: OSError) -> RkitError:
@@ -298,9 +309,14 @@ def bind_error(interface: str, port: int, exc: OSError) -> RkitError:
 
 
 def serve_until_interrupted(run: RunDir, *, interface: str = DEFAULT_INTERFACE, port: int = DEFAULT_PORT,
-                            echo: Callable[[str], None] = print) -> None:
+                            echo: Callable[[str], None] = print, tls_cert: str | None = None,
+                            tls_key: str | None = None, insecure: bool = False) -> None:
     """`rkit metrics serve`: every node, rank and event of the run, until Ctrl-C or SIGTERM (both exit 0)."""
-    exporter = serve(run, interface=interface, port=port)
+    if (why := exposure(interface, tls_cert, tls_key, insecure)) is not None:
+        raise RkitError(f"--interface {interface}: {why.replace('say insecure', 'pass --insecure')}")
+    if insecure and not tls_cert and not is_loopback(interface):
+        echo(INSECURE_WARNING.format(interface=interface))
+    exporter = serve(run, interface=interface, port=port, tls_cert=tls_cert, tls_key=tls_key)
     stop = threading.Event()
     # SIGTERM as well as SIGINT: a process started in the background by a shell ignores SIGINT.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())

@@ -1,0 +1,31 @@
+"""Who can reach an exporter: metrics leave this machine only over TLS, unless the user says insecure. Standard
+library only: the recipe loader checks this without importing prometheus-client."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def is_loopback(interface: str) -> bool:
+    if interface == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(interface.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure(interface: str, tls_cert: str | None, tls_key: str | None, insecure: bool) -> str | None:
+    """Why serving on `interface` this way is refused, or None. Metrics leave this machine only over TLS (a
+    certificate and its key, through prometheus-client's own TLS), unless the user says `insecure`."""
+    if bool(tls_cert) != bool(tls_key):
+        return "give both a TLS certificate and its key (PEM files), or neither."
+    if is_loopback(interface) or tls_cert or insecure:
+        return None
+    return (f"{interface} is reachable from other machines and the metrics would be served without TLS; give a "
+            "certificate and key (PEM) to serve HTTPS, or say insecure to serve plain HTTP anyway (warned about "
+            "on every start).")
+
+
+INSECURE_WARNING = ("rkit: warning: serving metrics over plain HTTP on {interface}, reachable from other machines "
+                    "(insecure: true); anyone who can reach the port reads them")
