@@ -56,10 +56,12 @@ class Cause(enum.Enum):
     LOST = "lost"                    # the attempt's supervisor died with it (batch host lost, machine lost)
     DISK_FULL = "disk_full"          # a write failed for space (a checkpoint save): no restart into a full disk
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the step resumed from could not be restored: quarantined
+    PORT_IN_USE = "port_in_use"      # jax.distributed's coordinator could not listen: the next attempt gets another
 
     @property
     def infrastructure(self) -> bool:
-        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST, Cause.CORRUPT_CHECKPOINT)
+        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST, Cause.CORRUPT_CHECKPOINT,
+                        Cause.PORT_IN_USE)
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ class Observation:
     hang: Hang | None = None
     disk_full: str | None = None  # a rank's log line saying a write failed for space, with the file system
     restore_failed: str | None = None  # before the first step of a resumed attempt: the rank's restore errors
+    port_in_use: str | None = None  # before the first step: rank 0's log says the coordinator could not listen
     resumed_from: int | None = None
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
     final_step: int = 0
@@ -291,6 +294,9 @@ def classify(obs: Observation) -> Ending | None:
     if obs.restore_failed:  # its peers would wait in jax.distributed's shutdown barrier for minutes
         return Ending(Cause.CORRUPT_CHECKPOINT, f"the checkpoint of step {_fmt(obs.resumed_from)} could not be "
                                                 f"restored: {obs.restore_failed}", Stop.NOW, step=obs.resumed_from)
+    if obs.port_in_use:  # the other ranks would wait out jax.distributed's initialization timeout
+        return Ending(Cause.PORT_IN_USE, f"jax.distributed's coordinator could not listen: {obs.port_in_use}",
+                      Stop.NOW, step=obs.step)
     if obs.preempt:
         return Ending(Cause.PREEMPTED, f"{obs.preempt} at step {_fmt(obs.step)} (time limit or preemption)",
                       Stop.SAVE, step=obs.step, requeue=True)

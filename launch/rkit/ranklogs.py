@@ -19,7 +19,9 @@ MAX_READ = 1 << 20  # per log and look: a burst of output is read over several l
 # refusing a step directory it cannot use.
 RESTORE_FAILED = re.compile(rb"DATA_LOSS|Error reading shard|NOT_FOUND: [^\n]*(?:ocdbt|checkpoint|orbax)"
                             rb"|[Ff]ailed to restore|checkpoint already exists")
-PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED}
+# JAX's coordination service (process 0) could not listen: gRPC's bind error, then JAX's own.
+PORT_IN_USE = re.compile(rb"Failed to add port to server|Failed to start RPC server")
+PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED, "port_in_use": PORT_IN_USE}
 
 
 class LogScan:
@@ -53,6 +55,9 @@ class LogScan:
 
     def restore_failed(self, force: bool = False) -> tuple[str, Path] | None:
         return self.scan(force).get("restore_failed")
+
+    def port_in_use(self, force: bool = False) -> tuple[str, Path] | None:
+        return self.scan(force).get("port_in_use")
 
     def _new_lines(self, path: Path) -> list[bytes]:
         try:

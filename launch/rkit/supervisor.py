@@ -281,6 +281,7 @@ class Supervisor:
                             and step >= sigterm_at.step else None),
             hang=hang, disk_full=watch.disk_full(force=failed or hang is not None),
             restore_failed=watch.restore_failed(force=failed or hang is not None), resumed_from=watch.resumed_from,
+            port_in_use=watch.port_in_use(force=failed),
             stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
             final_step=self.config.trainer.final_step,
             final_committed=everyone_exited and not failed and self.final_committed())
@@ -415,6 +416,11 @@ class AttemptWatch:
         line, log = hit
         lines = last_error_lines(log) or [line]
         return f"{log.name}: " + " | ".join(lines)
+
+    def port_in_use(self, force: bool) -> str | None:
+        """Before the first step: a rank's log saying jax.distributed's coordinator could not listen."""
+        hit = None if self.first_step_seen else self.logs.port_in_use(force)
+        return None if hit is None else f"{hit[1].name}: {hit[0]}"
 
     def read(self) -> None:
         sup, progress = self.sup, self.progress

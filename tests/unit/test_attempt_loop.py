@@ -108,6 +108,14 @@ class FakeBackend:
                 log.write_text("I1130 restoring\nE1130 ValueError: DATA_LOSS: Error reading shard entry "
                                "d/7f3a: file missing\n")
                 handle.silent.add(0)
+            if self.script.at("portinuse", handle.attempt, -1):  # rank 0 cannot listen and exits; rank 1 waits
+                log = self.run.rank_log(handle.attempt, 0)
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text("E1201 add_port.cc:83] Failed to add port to server: No address added out of total 1 "
+                               "resolved for '127.0.0.1:34713' (Error in bind ...: Address already in use)\n"
+                               "jax.errors.JaxRuntimeError: UNKNOWN: Failed to start RPC server\n")
+                handle.exits[0] = RankExit(0, 1)
+                handle.silent.add(1)
         for rank in list(handle.step):
             if rank in handle.exits or handle.silent:  # a silent rank blocks its peers in the next collective
                 continue
@@ -457,3 +465,13 @@ def test_orbax_files_that_a_restore_needs_are_checked(tmp_path):
     assert step_problem(step) == "items/_METADATA is missing"
     (step / "_CHECKPOINT_METADATA").write_text("{cut")
     assert step_problem(step) == "_CHECKPOINT_METADATA is unreadable"
+
+
+def test_a_coordinator_port_in_use_is_infrastructure_and_the_next_attempt_finishes(tmp_path):
+    sup, backend = make(tmp_path, Script(portinuse=(1, -1)))
+    assert sup.run_to_end() is RunState.FINISHED
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert [e["cause"] for e in ended] == ["port_in_use", "completed"]
+    assert "coordinator could not listen: rank-0.log: E1201 add_port.cc:83] Failed to add port" in ended[0]["detail"]
+    assert ended[0]["decision"] == "restart" and ended[0]["tally"]["infra_failures"] == 1
+    assert ended[0]["tally"]["training_failures"] == 0
