@@ -92,3 +92,4 @@ bench: setup
 	$(PY) tests/benchmarks/restart_latency.py --repeats 3
 	$(PY) tests/benchmarks/hang_detection.py --repeats 3
 	$(PY) tests/benchmarks/telemetry_overhead.py --repeats 3
+	$(PY) tests/benchmarks/status_scale.py --repeats 3
