@@ -136,6 +136,7 @@ def mirror_reachable(mirror: str, timeout: float = 10) -> bool:
 
 
 # MIRROR is pasted into the definition's %post and header: only a plain URL, never a shell word or credentials.
+ANY_MIRROR = "http://mirror.invalid/debian"  # a placeholder where the mirror does not matter (.invalid: RFC 2606)
 PLAIN_URL = re.compile(r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/+-]*)?$")
 
 
@@ -349,7 +350,9 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
         for record in records:
             if record["sha256"] == want_sha256:
                 return _unchanged(record)
-    plan = plan_build(flavor, {"MIRROR": "any"} if flavor == "cpu" else None)
+    # Which mirror does not matter here (build_args are not compared below); naming one skips the reachability
+    # probe, and it must pass plan_build's MIRROR check like any other.
+    plan = plan_build(flavor, {"MIRROR": ANY_MIRROR} if flavor == "cpu" else None)
     same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_agent_sha256")
     current = [r for r in records if all(r["key_material"].get(k) == plan.key_material[k] for k in same)]
     if not current:

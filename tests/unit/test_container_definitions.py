@@ -155,3 +155,11 @@ def test_a_cached_image_is_used_only_while_its_digest_is_the_recorded_one(tmp_pa
     sif.write_bytes(b"a replaced image")
     with pytest.raises(RkitError, match="changed after it was built .* Rebuild it with `rkit image build cpu --force`"):
         image.resolve_flavor("cpu", want_sha256=digest)
+
+
+def test_an_empty_cache_names_the_build_command(tmp_path, monkeypatch):
+    from rkit import image
+
+    monkeypatch.setenv("RKIT_IMAGE_CACHE", str(tmp_path))
+    with pytest.raises(RkitError, match=r"no cpu image built .* `make image FLAVOR=cpu`"):
+        image.resolve_flavor("cpu")  # the mirror is not probed and its placeholder passes the MIRROR check
