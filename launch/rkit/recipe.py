@@ -21,6 +21,7 @@ from .config import Config
 from .defaults import apply_defaults, schema  # noqa: F401
 from .errors import Problem, RecipeError
 from .recipe_yaml import (  # noqa: F401 - parse_override_value: tests use it from here
+    PATH_CHARS_WHY,
     apply_overrides,
     compose,
     dotted,
@@ -165,15 +166,13 @@ def _semantic_problems(data: dict) -> list[Problem]:
     if isinstance(prom, dict) and prom.get("enabled") and isinstance(prom.get("interface"), str):
         from .telemetry.exposure import exposure
 
-        why = exposure(prom["interface"], prom.get("tls_cert"), prom.get("tls_key"), bool(prom.get("insecure")))
+        why = exposure(prom["interface"], prom.get("tls_cert"), prom.get("tls_key"), bool(prom.get("insecure")),
+                       tls_hint="set tls_cert and tls_key", insecure_hint="set insecure: true")
         if why is not None:
-            problems.append(Problem("observability.prometheus.interface",
-                                    why.replace("give a certificate and key", "set tls_cert and tls_key")
-                                    .replace("say insecure", "set insecure: true")))
+            problems.append(Problem("observability.prometheus.interface", why))
     runs_dir = data.get("runs_dir")
     if isinstance(runs_dir, str) and (bad := unsafe_path_chars(runs_dir)):
-        problems.append(Problem("runs_dir", f"{runs_dir!r} holds {bad}, which Apptainer's --bind and Slurm's "
-                                            "--output would read as separators or patterns; pick a directory "
+        problems.append(Problem("runs_dir", f"{runs_dir!r} holds {bad}, {PATH_CHARS_WHY}; pick a directory "
                                             "without them."))
     env = data.get("env")
     if isinstance(env, dict):

@@ -135,6 +135,9 @@ def dotted(path: tuple | list) -> str:
 PATH_SEPARATORS = ",:%"  # --bind src:dst:opts,src2...; %j %u ... in sbatch --output
 
 
+PATH_CHARS_WHY = "which Apptainer's --bind and Slurm's --output would read as separators or patterns"
+
+
 def unsafe_path_chars(path: str) -> str:
     """The characters of `path` that Apptainer's --bind or Slurm's --output would interpret, quoted, or ''."""
     return " ".join(repr(c) for c in PATH_SEPARATORS if c in path)

@@ -93,10 +93,14 @@ UMASKS = {"private": 0o077, "group": 0o027}
 UMASK_ENV = "RKIT_UMASK"  # the ranks' agents set it too (a launcher or container may not pass the umask on)
 
 
+def umask_for(access: str) -> int:
+    return UMASKS.get(access, UMASKS["private"])
+
+
 def set_access(access: str) -> int:
     """From now on this process (and what it starts: MaxText, Orbax, Slurm's output files) creates directories
     0700 and files 0600 for 'private', 0750/0640 for 'group', whatever the user's umask."""
-    mask = UMASKS.get(access, UMASKS["private"])
+    mask = umask_for(access)
     os.umask(mask)
     return mask
 

@@ -21,7 +21,7 @@ from .image import resolve as resolve_image
 from .inject import Injection
 from .policy import Progress, RunState
 from .recipe import Recipe, parse_recipe
-from .recipe_yaml import unsafe_path_chars
+from .recipe_yaml import PATH_CHARS_WHY, unsafe_path_chars
 from .rundir import EV, RunDir, RunLock, set_access, write_atomic, write_json_atomic
 from .stamp import canonical_json, config_hash, hashed_config, is_secret_name
 from .supervisor import Supervisor, default_jax_cache_dir
@@ -38,9 +38,8 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
     holding the writer lock for as long as the caller runs."""
     run = run_path(recipe)
     if bad := unsafe_path_chars(str(run.path.resolve())):
-        raise RkitError(f"{run.path.resolve()}: the run directory's path holds {bad}, which Apptainer's --bind "
-                        "and Slurm's --output would read as separators or patterns; set runs_dir (or run from) a "
-                        "directory without them.")
+        raise RkitError(f"{run.path.resolve()}: the run directory's path holds {bad}, {PATH_CHARS_WHY}; set "
+                        "runs_dir (or run from) a directory without them.")
     mask = set_access(recipe.config.access)  # everything written from here on: 0700/0600 (private) or 0750/0640
     run.path.parent.mkdir(parents=True, exist_ok=True)
     created = False
@@ -168,10 +167,9 @@ def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
 
 def slurm_job(run: RunDir) -> str | None:
     """The Slurm job id this run was last submitted as."""
-    from .backends.slurm import checked_job_id
+    from .backends.slurm import submitted_job_id
 
-    ids = [e.get("job_id") for e in run.events() if e.get("event") == EV.JOB_SUBMITTED]
-    return checked_job_id(ids[-1], f"{run.events_file} (job.submitted)") if ids else None
+    return submitted_job_id(run.events(), str(run.events_file))
 
 
 def supervise(run_path: Path) -> RunState:

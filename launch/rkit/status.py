@@ -21,12 +21,11 @@ SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "
 
 def slurm_info(events: list[dict]) -> dict[str, Any] | None:
     """The run's Slurm job as its events and squeue see it (None for local runs)."""
-    submitted = [e for e in events if e.get("event") == EV.JOB_SUBMITTED]
-    if not submitted:
-        return None
     from .backends import slurm
 
-    job = slurm.checked_job_id(submitted[-1].get("job_id"), "events.jsonl (job.submitted)")
+    job = slurm.submitted_job_id(events, "events.jsonl")
+    if job is None:
+        return None
     live = slurm.job_state(job)
     started = [e for e in events if e.get("event") == EV.JOB_STARTED and e.get("job_id") == job]
     excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])

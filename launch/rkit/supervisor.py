@@ -40,7 +40,7 @@ from .policy import (
     tally_from_events,
 )
 from .ranklogs import LogScan, last_error_lines
-from .rundir import EV, UMASK_ENV, UMASKS, RunDir, filesystem, write_json_atomic
+from .rundir import EV, UMASK_ENV, RunDir, filesystem, umask_for, write_json_atomic
 from .telemetry.metrics import MetricsTail, repair_tail
 from .telemetry.stragglers import StragglerWatch
 from .trainers import maxtext
@@ -186,7 +186,7 @@ class Supervisor:
         env = dict(self.base_env)
         env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
                     "RKIT_BASE_CONFIG": self.config.trainer.base_config,
-                    UMASK_ENV: f"{UMASKS.get(self.config.access, UMASKS['private']):03o}",
+                    UMASK_ENV: f"{umask_for(self.config.access):03o}",
                     "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer])})
         args = maxtext.maxtext_overrides(self.config, self.run, self.jax_cache_dir)
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import RkitError
-from ..rundir import RunDir, current_umask, open_for_writing, write_atomic
+from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
 from .base import Handle, NotEnoughNodes, RankExit
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
@@ -165,6 +165,12 @@ def checked_job_id(job_id: object, where: str = "") -> str:
         return job_id
     raise RkitError(f"{where or 'Slurm job id'}: {job_id!r} is not a Slurm job id (digits, with _N for an array "
                     "task); was the file edited? No Slurm command was run.")
+
+
+def submitted_job_id(events: list[dict], where: str) -> str | None:
+    """The job id of the last `job.submitted` event (checked), or None for a run never submitted."""
+    ids = [e.get("job_id") for e in events if e.get("event") == EV.JOB_SUBMITTED]
+    return checked_job_id(ids[-1], f"{where} (job.submitted)") if ids else None
 
 
 def job_state(job_id: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from ..errors import RkitError
 from ..rundir import EV, JsonlTail, RunDir
 from . import metrics as step_metrics
-from .exposure import INSECURE_WARNING, exposure, is_loopback  # noqa: F401 - node.py takes them from here too
+from .exposure import exposure, insecure_warning
 
 DEFAULT_INTERFACE = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -256,6 +256,7 @@ class Exporter:
 
     server: Any
     thread: threading.Thread
+    tls: bool = False
 
     @property
     def host(self) -> str:
@@ -264,8 +265,6 @@ class Exporter:
     @property
     def port(self) -> int:
         return int(self.server.server_address[1])
-
-    tls: bool = False
 
     @property
     def url(self) -> str:
@@ -312,10 +311,12 @@ def serve_until_interrupted(run: RunDir, *, interface: str = DEFAULT_INTERFACE, 
                             echo: Callable[[str], None] = print, tls_cert: str | None = None,
                             tls_key: str | None = None, insecure: bool = False) -> None:
     """`rkit metrics serve`: every node, rank and event of the run, until Ctrl-C or SIGTERM (both exit 0)."""
-    if (why := exposure(interface, tls_cert, tls_key, insecure)) is not None:
-        raise RkitError(f"--interface {interface}: {why.replace('say insecure', 'pass --insecure')}")
-    if insecure and not tls_cert and not is_loopback(interface):
-        echo(INSECURE_WARNING.format(interface=interface))
+    why = exposure(interface, tls_cert, tls_key, insecure, tls_hint="pass --tls-cert and --tls-key",
+                   insecure_hint="pass --insecure")
+    if why is not None:
+        raise RkitError(f"--interface {interface}: {why}")
+    if (warning := insecure_warning(interface, tls_cert, insecure)) is not None:
+        echo(warning)
     exporter = serve(run, interface=interface, port=port, tls_cert=tls_cert, tls_key=tls_key)
     stop = threading.Event()
     # SIGTERM as well as SIGINT: a process started in the background by a shell ignores SIGINT.

@@ -15,17 +15,23 @@ def is_loopback(interface: str) -> bool:
         return False
 
 
-def exposure(interface: str, tls_cert: str | None, tls_key: str | None, insecure: bool) -> str | None:
+def exposure(interface: str, tls_cert: str | None, tls_key: str | None, insecure: bool, *,
+             tls_hint: str = "give a certificate and key (PEM)", insecure_hint: str = "say insecure") -> str | None:
     """Why serving on `interface` this way is refused, or None. Metrics leave this machine only over TLS (a
-    certificate and its key, through prometheus-client's own TLS), unless the user says `insecure`."""
+    certificate and its key, through prometheus-client's own TLS), unless the user says `insecure`. The hints
+    name the settings as the caller spells them (recipe keys, command-line options)."""
     if bool(tls_cert) != bool(tls_key):
         return "give both a TLS certificate and its key (PEM files), or neither."
     if is_loopback(interface) or tls_cert or insecure:
         return None
-    return (f"{interface} is reachable from other machines and the metrics would be served without TLS; give a "
-            "certificate and key (PEM) to serve HTTPS, or say insecure to serve plain HTTP anyway (warned about "
-            "on every start).")
+    return (f"{interface} is reachable from other machines and the metrics would be served without TLS; "
+            f"{tls_hint} to serve HTTPS, or {insecure_hint} to serve plain HTTP anyway (warned about on every "
+            "start).")
 
 
-INSECURE_WARNING = ("rkit: warning: serving metrics over plain HTTP on {interface}, reachable from other machines "
-                    "(insecure: true); anyone who can reach the port reads them")
+def insecure_warning(interface: str, tls_cert: str | None, insecure: bool) -> str | None:
+    """The line to print on every start that serves plain HTTP beyond loopback, or None."""
+    if not insecure or tls_cert or is_loopback(interface):
+        return None
+    return (f"rkit: warning: serving metrics over plain HTTP on {interface}, reachable from other machines "
+            "(insecure: true); anyone who can reach the port reads them")

@@ -100,14 +100,15 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def start_exporter(run: RunDir, node: str, index: int, settings: Observability, attempt: int) -> Any:
-    from .exporter import INSECURE_WARNING, is_loopback, serve
+    from .exporter import serve
+    from .exposure import insecure_warning
 
     prom = settings.prometheus
     port = prom.port + index if prom.port and prom.port + index <= 65535 else 0
     scope = {"nodes": [node], "training": index == 0, "events": index == 0,
              "tls_cert": prom.tls_cert, "tls_key": prom.tls_key}
-    if prom.insecure and not prom.tls_cert and not is_loopback(prom.interface):
-        sys.stderr.write(INSECURE_WARNING.format(interface=prom.interface) + "\n")
+    if (warning := insecure_warning(prom.interface, prom.tls_cert, bool(prom.insecure))) is not None:
+        sys.stderr.write(warning + "\n")
         run.emit(EV.EXPORTER_INSECURE, attempt=attempt, node=node, interface=prom.interface)
     try:
         exporter = serve(run, interface=prom.interface, port=port, **scope)
