@@ -104,8 +104,8 @@ def compute(run: RunDir, events: list[dict] | None = None, config: Config | None
     losses = {step: float(line["loss"]) for step, line in view.items() if isinstance(line.get("loss"), (int, float))}
     ordered = [losses[s] for s in sorted(losses)]
     state = next((FINAL_EVENTS[e["event"]].value for e in reversed(events) if e.get("event") in FINAL_EVENTS), None)
-    first_steps = [e.get("seconds_since_start") for e in events
-                   if e.get("event") == EV.ATTEMPT_FIRST_STEP and e.get("rank", 0) == 0]
+    # One attempt.first_step per attempt, from whichever rank's line the supervisor read first (rank 1 under load).
+    first_steps = [e.get("seconds_since_start") for e in events if e.get("event") == EV.ATTEMPT_FIRST_STEP]
     mfu = steady_state(rank0, "mfu")
     whole, blocking = save_seconds([run.rank_log(n, 0) for n in run.attempt_numbers()])
     period = (run.config() if config is None else config).checkpoint.period
