@@ -121,3 +121,11 @@ def test_a_damaged_outcome_file_is_a_clear_error(tmp_path):
     run.outcome_file.write_text("{not json")
     with pytest.raises(RkitError, match="outcome.json: damaged"):
         outcome.load(run.path)
+
+
+def test_time_to_first_step_is_the_attempts_first_step_event_whichever_rank_it_names(tmp_path):
+    from .synthetic_run import events, write_run
+
+    evs = [dict(e, rank=1) if e["event"] == "attempt.first_step" else e for e in events()]
+    run = RunDir(write_run(tmp_path / "run", event_list=evs))
+    assert outcome.compute(run)["time_to_first_step_seconds"] == 20
