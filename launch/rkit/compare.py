@@ -1,8 +1,9 @@
 """rkit compare: did two runs come out the same? Their outcomes (outcome.py) side by side: the loss step by step,
 and each performance metric as a ratio B/A with a confidence interval. `rkit diff` compares the inputs.
 
-The interval: a percentile bootstrap of the ratio of medians (2,000 resamples of each run's steady-state
-per-step samples, seeded, 95 %). A metric is worse only when the whole interval is beyond the threshold: slower
+The interval: a percentile bootstrap of the ratio of medians (2,000 resamples, seeded, 95 %): each resample draws
+the rounds with replacement (`rkit bench`: several runs per side; `rkit compare`: one), then the steady-state
+per-step samples of each drawn round. A metric is worse only when the whole interval is beyond the threshold: slower
 by more than the threshold, beyond noise. Pure functions; the CLI reads the outcomes and prints.
 """
 
@@ -17,8 +18,8 @@ RESAMPLES = 2000
 CONFIDENCE = 0.95
 MAX_SAMPLES = 2000  # a longer run's samples are thinned evenly to this many: time and memory stay bounded, the
 #                     interval can only get wider
-METHOD = (f"percentile bootstrap of the ratio of medians, {RESAMPLES} resamples of the per-step samples "
-          f"(at most {MAX_SAMPLES}, evenly thinned), {CONFIDENCE:.0%} interval")
+METHOD = (f"percentile bootstrap of the ratio of medians, {RESAMPLES} resamples of the rounds and then of their "
+          f"per-step samples (at most {MAX_SAMPLES}, evenly thinned), {CONFIDENCE:.0%} interval")
 # name -> (the outcome's key, lower is better, the words for worse / better)
 METRICS = {
     "step_time": ("step_time", True, ("slower", "faster")),
@@ -70,18 +71,50 @@ def _span(steps: list[int]) -> dict[str, int] | None:
     return {"count": len(steps), "first": steps[0], "last": steps[-1]} if steps else None
 
 
-def ratio_interval(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float, float]:
-    """median(b) / median(a) and its bootstrap interval (METHOD)."""
+def _rounds(samples: list) -> list[list[float]]:
+    """Samples as rounds: a run's per-step samples are one round; `rkit bench` gives one list per round."""
+    return [list(r) for r in samples if len(r)] if samples and isinstance(samples[0], list) else [list(samples)]
+
+
+def _boot_medians(rounds: list[list[float]], rng) -> Any:
+    """RESAMPLES medians: each resample draws the rounds with replacement, then each drawn round's steps with
+    replacement, and takes the median of what it drew (so the spread between rounds counts, not only between
+    steps)."""
     import numpy as np
 
-    xa, xb = (np.asarray(x, dtype=float)[np.linspace(0, len(x) - 1, min(len(x), MAX_SAMPLES)).astype(int)]
-              for x in (a, b))
+    per = max(1, MAX_SAMPLES // len(rounds))
+    thinned = [np.asarray(r, dtype=float)[np.linspace(0, len(r) - 1, min(len(r), per)).astype(int)] for r in rounds]
+    width = max(len(r) for r in thinned)
+    drawn = [r[rng.integers(0, len(r), (RESAMPLES, width))] for r in thinned]  # resampled steps, per round
+    for r, d in zip(thinned, drawn, strict=True):
+        d[:, len(r):] = np.nan  # a shorter round keeps its own number of samples
+    pick = rng.integers(0, len(rounds), (RESAMPLES, len(rounds)))
+    pooled = np.concatenate([np.stack(drawn)[pick[:, j], np.arange(RESAMPLES)] for j in range(len(rounds))], axis=1)
+    return np.nanmedian(pooled, axis=1)
+
+
+def median_interval(samples: list, seed: int = 0) -> tuple[float, float, float]:
+    """The median of one side's samples (or rounds) and its bootstrap interval (METHOD, one side)."""
+    import numpy as np
+
+    rounds = _rounds(samples)
+    medians = _boot_medians(rounds, np.random.default_rng(seed))
+    tail = (1 - CONFIDENCE) / 2 * 100
+    lo, hi = np.percentile(medians, [tail, 100 - tail])
+    return float(np.median(np.concatenate(rounds))), float(lo), float(hi)
+
+
+def ratio_interval(a: list, b: list, seed: int = 0) -> tuple[float, float, float]:
+    """median(b) / median(a) and its bootstrap interval (METHOD). `a`, `b`: one run's per-step samples, or a list
+    of rounds (lists of samples) each."""
+    import numpy as np
+
+    ra, rb = _rounds(a), _rounds(b)
     rng = np.random.default_rng(seed)
-    ma = np.median(xa[rng.integers(0, len(xa), (RESAMPLES, len(xa)))], axis=1)
-    mb = np.median(xb[rng.integers(0, len(xb), (RESAMPLES, len(xb)))], axis=1)
+    ma, mb = _boot_medians(ra, rng), _boot_medians(rb, rng)
     tail = (1 - CONFIDENCE) / 2 * 100
     lo, hi = np.percentile(mb / ma, [tail, 100 - tail])
-    return float(np.median(xb) / np.median(xa)), float(lo), float(hi)
+    return float(np.median(np.concatenate(rb)) / np.median(np.concatenate(ra))), float(lo), float(hi)
 
 
 def compare_metric(name: str, a: dict[str, Any], b: dict[str, Any], limits: Limits) -> dict[str, Any]:
@@ -103,13 +136,16 @@ def compare_metric(name: str, a: dict[str, Any], b: dict[str, Any], limits: Limi
     return {**row, "ratio": ratio, "interval": [lo, hi], "verdict": verdict, "worse": verdict == worse_word}
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], limits: Limits = Limits()) -> dict[str, Any]:
-    """Outcome B against outcome A."""
-    loss = compare_loss(a["loss"], b["loss"], limits.loss_tolerance)
+def compare(a: dict[str, Any], b: dict[str, Any], limits: Limits = Limits(), *, loss_counts: bool = True
+            ) -> dict[str, Any]:
+    """Outcome B against outcome A. `loss_counts=False` (rkit bench, when the two sides' training math differs):
+    the loss is shown but does not decide the verdict."""
+    loss = {**compare_loss(a["loss"], b["loss"], limits.loss_tolerance), "counts_in_verdict": loss_counts}
     perf = [compare_metric(name, a, b, limits) for name in METRICS]
     info = {key: [_scalar(a.get(key)), _scalar(b.get(key))] for key in INFORMATIVE}
     worse = [m["metric"] for m in perf if m.get("worse")]
-    return {"a": a.get("run"), "b": b.get("run"), "agree": loss["agree"] and not worse, "loss": loss,
+    return {"a": a.get("run"), "b": b.get("run"), "agree": (loss["agree"] or not loss_counts) and not worse,
+            "loss": loss,
             "performance": perf, "worse": worse, "informative": info, "threshold": limits.threshold,
             "method": METHOD, "states": [a.get("state"), b.get("state")],
             "config_hashes": [a.get("config_hash"), b.get("config_hash")],
@@ -136,6 +172,8 @@ def render(result: dict[str, Any]) -> str:
     if result["images"][0] != result["images"][1]:
         out.append(f"  images differ: {str(result['images'][0])[:19]} vs {str(result['images'][1])[:19]}")
     tol = "bit-exact" if loss["tolerance"] == 0 else f"tolerance {loss['tolerance']:g}"
+    if not loss["counts_in_verdict"]:
+        tol += "; not in the verdict: the training math differs"
     out.append(f"loss ({tol}): {loss['steps_compared']} steps compared, " +
                ", ".join(f"{n} {k}" for k, n in loss["counts"].items() if n) +
                f"; max |A-B| {loss['max_abs_diff']:.3g}")
@@ -162,9 +200,11 @@ def render(result: dict[str, Any]) -> str:
         out.append(f"  {m['metric']:<26} A {_num(m['a'])}  B {_num(m['b'])}  ratio {m['ratio']:.3f}{ci}  "
                    f"{m['verdict']}")
     for key, (va, vb) in result["informative"].items():
+        if va is None and vb is None:
+            continue
         out.append(f"  {key:<26} A {_num(va)}  B {_num(vb)}")
     why = []
-    if not loss["agree"]:
+    if not loss["agree"] and loss["counts_in_verdict"]:
         why.append("the loss differs")
     if result["worse"]:
         why.append("worse: " + ", ".join(result["worse"]))

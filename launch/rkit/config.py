@@ -89,6 +89,11 @@ class Slurm:
 
 
 @dataclass(frozen=True)
+class Reproducibility:
+    deterministic: bool = False  # no schema default: a recipe without the section keeps its config hash
+
+
+@dataclass(frozen=True)
 class Config:
     name: str
     runs_dir: str
@@ -102,6 +107,7 @@ class Config:
     observability: Observability
     slurm: Slurm
     env: dict[str, Any]
+    reproducibility: Reproducibility = Reproducibility()
 
     @property
     def processes(self) -> int:
@@ -122,6 +128,8 @@ class Config:
                     "observability": Observability, "slurm": Slurm}
         for key, section in sections.items():
             data[key] = _build(section, data[key])
+        data["reproducibility"] = Reproducibility(
+            deterministic=bool((data.get("reproducibility") or {}).get("deterministic")))
         return _build(cls, data)
 
 

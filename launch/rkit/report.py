@@ -98,7 +98,7 @@ def plot_series(run: RunDir, events: list[dict] | None = None, *, config: Config
     return series
 
 
-def _figure(title: str, ylabel: str) -> tuple[Any, Any]:
+def figure(title: str, ylabel: str) -> tuple[Any, Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -116,7 +116,7 @@ def _when(t: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_png(fig: Any, path: Path) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", bbox_inches="tight")
     write_atomic(path, buffer.getvalue())
@@ -125,7 +125,7 @@ def _save(fig: Any, path: Path) -> None:
 def plot(series: Series, key: str, path: Path, run_name: str) -> None:
     """One metric against wall-clock time: dashed lines where attempts start, red marks where they failed."""
     note = "" if key == "loss" else f" (first {SKIP_STEPS} steps of each attempt, compilation, left out)"
-    fig, ax = _figure(f"{run_name}: {PLOTS[key]}{note}", PLOTS[key])
+    fig, ax = figure(f"{run_name}: {PLOTS[key]}{note}", PLOTS[key])
     for attempt in sorted({p["attempt"] for p in series.points}):
         pts = [p for p in series.points if p["attempt"] == attempt and p[key] is not None]
         if pts:
@@ -144,17 +144,17 @@ def plot(series: Series, key: str, path: Path, run_name: str) -> None:
     elif ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper right", fontsize=8)
     fig.autofmt_xdate()
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_goodput(g: goodput.Goodput, path: Path, run_name: str) -> None:
-    fig, ax = _figure(f"{run_name}: where the wall time went ({_pct(g.goodput)} goodput)", "")
+    fig, ax = figure(f"{run_name}: where the wall time went ({_pct(g.goodput)} goodput)", "")
     ax.set_xlabel("seconds")
     items = [(c, s) for c, s in g.seconds.items() if s > 0] or [("productive", 0.0)]
     ax.barh([goodput.CATEGORIES[c] for c, _ in items], [s for _, s in items],
             color=["tab:green" if c == "productive" else "tab:red" for c, _ in items])
     ax.invert_yaxis()
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def _pct(value: float | None) -> str:
