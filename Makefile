@@ -13,12 +13,13 @@ MIRROR ?=
 .PHONY: setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
-$(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt pyproject.toml ci/find-python
+$(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-python
 	@python=$$(ci/find-python) || exit 1; \
 	if ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
 	  echo "rkit: creating $(VENV) with $$python"; rm -rf $(VENV); "$$python" -m venv $(VENV) || exit 1; \
 	fi
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCKS)/cpu.txt
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCKS)/bench.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
 	@touch $@
 
@@ -79,6 +80,7 @@ lock:
 	  .venv-lock/bin/pip install --quiet --require-hashes -r $(LOCKS)/tools.txt; } || exit 1
 	$(UV_COMPILE) --universal $(LOCKS)/cpu.in -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/cpu.txt
 	$(UV_COMPILE) --universal $(LOCKS)/dev.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/dev.txt
+	$(UV_COMPILE) --universal $(LOCKS)/bench.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/dev.txt -o $(LOCKS)/bench.txt
 	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 $(LOCKS)/cuda.in -c $(LOCKS)/cpu.constraints.txt \
 	  -o $(LOCKS)/cuda.txt
 	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 $(LOCKS)/rocm.in \

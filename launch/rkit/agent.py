@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import determinism
 from .inject import FIRED_EVENT, Injection
 from .rundir import EV, UMASK_ENV, RunDir, open_for_writing, write_json_atomic
 from .telemetry import metrics
@@ -259,6 +260,22 @@ def watch_supervisor(environ: dict[str, str] | None = None,
     return thread
 
 
+def check_determinism(ctx: AgentContext, environ: dict[str, str] | os._Environ) -> list[dict]:
+    """Deterministic mode (determinism.py), after MaxText's set-up: JAX's PRNG back to threefry (MaxText sets
+    unsafe_rbg), then every switch checked; a warning line and an event for each one that did not survive."""
+    import jax
+
+    jax.config.update("jax_default_prng_impl", determinism.PRNG_IMPL)
+    lost = determinism.clobbered(dict(environ), str(jax.config.jax_default_prng_impl))
+    for item in lost:
+        sys.stderr.write(f"rkit: [deterministic] WARNING: {item['switch']} is {item['found']!r}, expected "
+                         f"{item['expected']!r}: reruns may not be bit-exact\n")
+        ctx.run.emit(EV.DETERMINISM_CLOBBERED, attempt=ctx.attempt, rank=ctx.rank, **item)
+    ctx.run.emit(EV.DETERMINISM_CHECKED, attempt=ctx.attempt, rank=ctx.rank, clobbered=len(lost),
+                 prng=str(jax.config.jax_default_prng_impl))
+    return lost
+
+
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
     os.umask(int(os.environ.get(UMASK_ENV, "077"), 8))  # the run's access, whatever reached this process
@@ -280,9 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     from absl import app
     from maxtext.trainers.pre_train import train
 
-    from .trainers.maxtext import hook_the_train_loop, rank_overrides, resolve_base_config
+    from .trainers.maxtext import after_initialize, hook_the_train_loop, rank_overrides, resolve_base_config
 
     hook_the_train_loop(Injector(ctx, pump).at_step)
+    if os.environ.get(determinism.EXPECTED_ENV):
+        after_initialize(lambda: check_determinism(ctx, os.environ))
 
     argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
             *rank_overrides(ctx.run, ctx.attempt, ctx.rank)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__, manifest
+from . import __version__, determinism, manifest
 from .backends.local import Container, LocalBackend
 from .config import Config
 from .errors import RkitError, RunDirUnwritable
@@ -89,6 +89,7 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
         "launcher": recipe.config.launcher,
         "injections": [i.as_dict() for i in injections],
         "host": host,
+        **({"determinism": determinism.settings()} if recipe.config.reproducibility.deterministic else {}),
         **extra,
     }
     write_json_atomic(run.manifest, stamp_data)
@@ -126,8 +127,8 @@ def training_env(recipe: Recipe, image: ImageIdentity | None, host: dict[str, st
     extra = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in recipe.config.env.items()}
     if image is not None:
         carried = {k: v for k, v in host.items() if k.startswith(manifest.ENV_PREFIXES) or is_secret_name(k)}
-        return {**carried, **extra}
-    env = {**host, **extra}
+        return _deterministic(recipe, {**carried, **extra})
+    env = _deterministic(recipe, {**host, **extra})
     # The agent is rkit's own module: make sure the training Python can import it.
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
@@ -170,6 +171,11 @@ def slurm_job(run: RunDir) -> str | None:
     from .backends.slurm import submitted_job_id
 
     return submitted_job_id(run.events(), str(run.events_file))
+
+
+def _deterministic(recipe: Recipe, env: dict[str, str]) -> dict[str, str]:
+    """reproducibility.deterministic: its switches on top of everything else (determinism.py)."""
+    return determinism.apply(env) if recipe.config.reproducibility.deterministic else env
 
 
 def supervise(run_path: Path) -> RunState:

@@ -207,3 +207,22 @@ def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
     maybe_save_checkpoint.rkit_hooked = True  # type: ignore[attr-defined]
     checkpointing.maybe_save_checkpoint = maybe_save_checkpoint
     metric_logger.MetricLogger.buffer_and_write_metrics = buffer_and_write_metrics
+
+
+def after_initialize(then: Callable[[], None]) -> None:
+    """In the training environment, before MaxText's train.main: `then()` runs right after MaxText's
+    train.initialize (which sets JAX's default PRNG to unsafe_rbg) and before the model is built."""
+    from maxtext.trainers.pre_train import train
+
+    if getattr(train.initialize, "rkit_hooked", False):
+        return
+    initialize = train.initialize
+
+    def initialize_then(argv):
+        out = initialize(argv)
+        then()
+        return out
+
+    initialize_then.rkit_hooked = True  # type: ignore[attr-defined]
+    train.initialize = initialize_then
+
