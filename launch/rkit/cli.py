@@ -335,6 +335,11 @@ storage_option = click.option("--storage", type=click.Path(path_type=Path), defa
                               show_default=True, help="pytest-benchmark's file storage directory.")
 
 
+def progress(line: str) -> None:
+    """A round's progress: on stderr, so that --json's stdout stays one document."""
+    click.echo(line, err=True)
+
+
 def bench_limits(fn):
     return limits_options(fn, threshold=BENCH_THRESHOLD)
 
@@ -354,7 +359,7 @@ def bench_run(recipe: Path, overrides: tuple[str, ...], rounds: int, save_name: 
     from . import bench as benches
 
     store = benches.storage(storage)
-    done = benches.measure(recipe, {"run": list(overrides)}, rounds, click.echo)["run"]
+    done = benches.measure(recipe, {"run": list(overrides)}, rounds, progress)["run"]
     name = save_name or done[0].resolved["name"]
     machine, commit = benches.machine_and_commit()
     path = benches.save(store, benches.safe_name(name), benches.result_json(name, done, machine, commit))
@@ -403,7 +408,7 @@ def bench_gate(recipe: Path, baseline: tuple[str, ...], candidate: tuple[str, ..
 
     store = benches.storage(storage) if save_name else None
     result = benches.gate(recipe, list(baseline), list(candidate), rounds, outcomes.Limits(loss_tolerance, threshold),
-                          click.echo, store, benches.safe_name(save_name) if save_name else None)
+                          progress, store, benches.safe_name(save_name) if save_name else None)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else benches.render_gate(result))
     sys.exit(0 if result["agree"] else 1)
 
