@@ -95,3 +95,4 @@ bench: setup
 	$(PY) tests/benchmarks/hang_detection.py --repeats 3
 	$(PY) tests/benchmarks/telemetry_overhead.py --repeats 3
 	$(PY) tests/benchmarks/status_scale.py --repeats 3
+	$(PY) tests/benchmarks/gate_noise.py --pairs 10 --repeats 2
