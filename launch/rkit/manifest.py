@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .stamp import is_secret_name, redact_value
+from .stamp import REDACTED, redact  # noqa: F401 - REDACTED: the marker, read from here too
 
 ENV_PREFIXES = ("XLA_", "JAX_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCR_", "CUDA_", "SLURM_")
-REDACTED = "<redacted>"
 KEY_PACKAGES = ("jax", "jaxlib", "maxtext", "orbax-checkpoint", "flax")
 _TOOL_TIMEOUT = 10
 
@@ -39,11 +38,7 @@ def _run(argv: list[str]) -> str | None:
 
 def redact_env(environ: dict[str, str]) -> dict[str, str]:
     """The variables that shape training, with any secret-looking value replaced by a marker."""
-    return {
-        name: (REDACTED if is_secret_name(name) else redact_value(value, REDACTED))
-        for name, value in sorted(environ.items())
-        if name.startswith(ENV_PREFIXES)
-    }
+    return redact({name: value for name, value in sorted(environ.items()) if name.startswith(ENV_PREFIXES)})
 
 
 def packages() -> dict[str, str]:

@@ -286,7 +286,7 @@ def render_html(d: dict[str, Any], images: list[str]) -> str:
 
 def write_report(run: RunDir, out: Path | None = None) -> list[Path]:
     """Write the plots and summaries (each file atomically: temp + rename); returns the paths written."""
-    run.require()
+    run.require().refuse_planted_links()
     out = run.report_dir if out is None else Path(out)
     if out.exists() and not out.is_dir():
         raise RkitError(f"{out}: exists and is not a directory; give --out a directory (it is created if missing).")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import RkitError, RunDirUnwritable
+from .stamp import redact
 
 if TYPE_CHECKING:
     from .config import Config
@@ -324,6 +325,21 @@ class RunDir:
         """Where a node's Prometheus exporter listens."""
         return self.telemetry_dir / f"{node}.exporter.json"
 
+    def planted_links(self) -> list[Path]:
+        """The directories rkit writes into (and those of every attempt) that are symbolic links: a link planted
+        as a parent would carry every write below it elsewhere, which O_NOFOLLOW on the file cannot see."""
+        dirs = [self.path, self.attempts_dir, self.metrics_dir, self.telemetry_dir, self.checkpoints,
+                self.orbax_dir, self.report_dir]
+        if self.attempts_dir.is_dir() and not self.attempts_dir.is_symlink():
+            for attempt in self.attempts_dir.iterdir():
+                dirs += [attempt, attempt / "env", attempt / "maxtext", attempt / "stacks"]
+        return [d for d in dirs if d.is_symlink()]
+
+    def refuse_planted_links(self) -> None:
+        """PlantedLink (exit 2) naming the first linked directory, before anything is written below it."""
+        if links := self.planted_links():
+            raise PlantedLink(links[0])
+
     def attempt_numbers(self) -> list[int]:
         return sorted(int(p.name) for p in self.attempts_dir.glob("*") if p.name.isascii() and p.name.isdigit())
 
@@ -374,7 +390,7 @@ class RunDir:
 
     def emit(self, name: str, /, **fields: Any) -> dict:
         """Append one event; one write of one line, so concurrent writers do not interleave."""
-        event = {"t": round(time.time(), 3), **fields, "event": name}
+        event = {"t": round(time.time(), 3), **redact(fields), "event": name}
         line = json.dumps(event, sort_keys=True, default=str) + "\n"
         try:
             self.path.mkdir(parents=True, exist_ok=True)

@@ -57,8 +57,10 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
         raise RkitError(f"{run.path}: cannot create the run directory: {exc.strerror}. "
                         "Check runs_dir in the recipe.") from None
     os.chmod(run.path, 0o777 & ~mask)  # also a run made before `access` existed, or under another umask
+    run.refuse_planted_links()
     lock = run.lock().acquire()
     try:
+        run.refuse_planted_links()  # again under the lock: nothing is written below a link
         if created:
             stamp(run, recipe, injections, image, extra_stamp or {})
         else:
@@ -183,6 +185,7 @@ def supervise(run_path: Path) -> RunState:
     from .backends import slurm
 
     run = RunDir(run_path).require()
+    run.refuse_planted_links()
     resolved = run.load_resolved()
     stamp = run.load_manifest()
     job_id = os.environ.get("SLURM_JOB_ID", "")

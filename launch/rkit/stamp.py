@@ -38,6 +38,23 @@ def redact_value(value: str, marker: str) -> str:
     return SECRET_VALUE.sub(lambda m: f"{m.group('head')}{marker}@", value)
 
 
+REDACTED = "<redacted>"
+
+
+def redact(value: Any, marker: str = REDACTED) -> Any:
+    """The one redaction of what rkit records (manifests, environment captures, events, the batch script's
+    comments, the report, which reads those): a secret-named key's value becomes `marker`, and every string has
+    its URL passwords and private key blocks replaced (redact_value); dicts and lists are walked."""
+    if isinstance(value, str):
+        return redact_value(value, marker)
+    if isinstance(value, dict):
+        return {k: (marker if isinstance(k, str) and is_secret_name(k) and isinstance(v, (str, int, float))
+                    and not isinstance(v, bool) else redact(v, marker)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, marker) for v in value]
+    return value
+
+
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 

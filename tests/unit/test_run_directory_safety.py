@@ -70,3 +70,44 @@ def test_temp_files_of_atomic_writes_have_unique_names(tmp_path):
     write_json_atomic(tmp_path / "attempt.json", {"a": 1})
     assert not (tmp_path / "elsewhere").exists() and planted.is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".attempt.json.tmp", "attempt.json"]
+
+
+@pytest.mark.parametrize("planted", ["metrics", "attempts", "attempts/1", "attempts/1/env", "checkpoints"])
+def test_a_link_planted_as_a_directory_stops_a_resume_before_any_write(tmp_path, planted, cli):
+    recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=p"])
+    with runner.open_run(recipe, resume=False, injections=[]) as (run, _lock):
+        run.attempt_dir(1).mkdir(parents=True)
+        (run.attempt_dir(1) / "env").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = run.path / planted
+    if target.exists():
+        os.rename(target, tmp_path / "moved")
+    target.symlink_to(elsewhere, target_is_directory=True)
+    before = run.events_file.read_bytes()
+    with pytest.raises(PlantedLink, match=f"{planted}: is a symbolic link"):
+        with runner.open_run(recipe, resume=True, injections=[]):
+            pass
+    assert run.events_file.read_bytes() == before and list(elsewhere.iterdir()) == []
+    done = cli("report", str(run.path), check=2)
+    assert f"{planted}: is a symbolic link" in done.stderr and "Traceback" not in done.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_one_redaction_for_events_manifests_and_the_batch_script(tmp_path):
+    from rkit.backends import slurm
+    from rkit.stamp import REDACTED, redact
+
+    assert redact({"SLURM_JWT": "eyJ", "nested": [{"url": "https://u:pw@h/x"}], "ok": "https://h/x", "n": 3}) == {
+        "SLURM_JWT": REDACTED, "nested": [{"url": f"https://u:{REDACTED}@h/x"}], "ok": "https://h/x", "n": 3}
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.emit("x", reason="could not reach https://bob:hunter2@db/x", api_token="abc")
+    text = run.events_file.read_text()
+    assert "hunter2" not in text and '"abc"' not in text and REDACTED in text
+    from rkit.recipe import parse_recipe
+
+    text = TINY.read_text() + "slurm:\n  extra_sbatch: ['--comment=https://ann:s3cret@h/x']\n"
+    recipe = parse_recipe("r.yaml", text, [f"runs_dir={tmp_path}", "name=s", "launcher=slurm"])
+    script = slurm.render_batch(RunDir(tmp_path / "s"), recipe.config, "python3").script
+    assert "s3cret" not in script and f"ann:{REDACTED}@h" in script

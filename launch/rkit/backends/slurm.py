@@ -20,6 +20,7 @@ from pathlib import Path
 from ..config import Config
 from ..errors import RkitError
 from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
+from ..stamp import redact
 from .base import Handle, NotEnoughNodes, RankExit
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
@@ -87,7 +88,7 @@ def render_batch(run: RunDir, config: Config, python: str, sbatch: str = "sbatch
     script = "\n".join([
         "#!/bin/bash",
         "# Rendered by rkit; submitted as (one argv item per line, never through a shell):",
-        *[f"#   {_visible(item)}" for item in argv],
+        *[f"#   {_visible(redact(item))}" for item in argv],
         "# The supervisor runs every attempt as a job step, resumes from the last committed checkpoint,",
         "# and requeues the job on a time-limit/preemption signal (USR1) or when a node must be avoided.",
         f"exec {shlex.quote(python)} -m rkit.cli supervise {shlex.quote(str(run_path))}",
