@@ -120,3 +120,21 @@ def test_job_ids_are_checked_before_any_slurm_command(job_id, tmp_path: Path, mo
         runner.slurm_job(run)
     assert ran == []
     assert [slurm.checked_job_id(j) for j in ("7", "123_4", "99+1")] == ["7", "123_4", "99+1"]
+
+
+def test_the_coordinator_port_is_checked_free_where_it_can_be():
+    import socket
+
+    from rkit.backends.slurm import free_coordinator_port, step_port
+
+    first = step_port("77", 3)
+    assert free_coordinator_port("127.0.0.1", "77", 3) == first  # free: the same port as before
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", first))
+        held.listen()
+        other = free_coordinator_port("127.0.0.1", "77", 3)
+        assert other != first and 20000 <= other < 40000
+        with socket.socket() as probe:  # and it really is free
+            probe.bind(("127.0.0.1", other))
+        # An address of another host cannot be checked from here: the hashed port, as before.
+        assert free_coordinator_port("192.0.2.1", "77", 3) == first

@@ -6,6 +6,7 @@ Recipe values travel as single argv items (never through a shell); the script it
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shlex
@@ -233,9 +234,28 @@ class StepHandle(Handle):
         return {"srun": self.proc.pid}
 
 
-def step_port(job_id: str, attempt: int) -> int:
-    """A port for jax.distributed's coordinator, different for every attempt of every job."""
-    return 20000 + zlib.crc32(f"{job_id}:{attempt}".encode()) % 20000
+def step_port(job_id: str, attempt: int, tries: int = 0) -> int:
+    """A port for jax.distributed's coordinator, different for every attempt of every job (and every try)."""
+    return 20000 + zlib.crc32(f"{job_id}:{attempt}:{tries}".encode() if tries else
+                              f"{job_id}:{attempt}".encode()) % 20000
+
+
+def free_coordinator_port(address: str, job_id: str, attempt: int, tries: int = 20) -> int:
+    """step_port, checked free where it can be: when the coordinator's address is one of this host's (the batch
+    host is usually the allocation's first node), a port some other process holds is skipped for the next
+    candidate. On another node it cannot be checked: a bind failure there ends the attempt as PORT_IN_USE
+    (infrastructure), and the next attempt has another port."""
+    for k in range(tries):
+        port = step_port(job_id, attempt, k)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    continue
+                return port  # not an address of this host (or not IPv4): cannot check here
+            return port
+    return step_port(job_id, attempt)
 
 
 class SlurmStepBackend:
@@ -269,7 +289,8 @@ class SlurmStepBackend:
             raise NotEnoughNodes(healthy, self.exclude)
         nodes = healthy[: self.nodes_per_step]
         job_id = os.environ.get("SLURM_JOB_ID", "0")
-        coordinator = f"{node_address(nodes[0])}:{port or step_port(job_id, attempt)}"
+        address = node_address(nodes[0])
+        coordinator = f"{address}:{port or free_coordinator_port(address, job_id, attempt)}"
         env = dict(host_env or os.environ)
         env.update(base_env)
         env.update({"RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1"})
