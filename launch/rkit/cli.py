@@ -249,6 +249,18 @@ def status(run_dir: Path, as_json: bool, watch: bool) -> None:
     click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else run_status.render_status(summary))
 
 
+@main.command("ls")
+@click.argument("runs_dir", type=click.Path(path_type=Path), default=Path("runs"), required=False)
+@json_option
+def ls_command(runs_dir: Path, as_json: bool) -> None:
+    """One line per run in RUNS_DIR (default: runs): name, state, step/total, loss, config hash and image digest
+    prefixes, launcher, Slurm job id, time since its last event. `rkit status RUN` tells the rest."""
+    from . import listing
+
+    rows = [listing.row(run) for run in listing.runs_in(runs_dir)]
+    click.echo(json.dumps(rows, indent=2, sort_keys=True) if as_json else listing.render(rows))
+
+
 @main.command("report")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Directory to write into "

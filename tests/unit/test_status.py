@@ -100,3 +100,35 @@ def test_disk_low_and_disk_full_are_shown(run: RunDir):
     assert s["disk_low"][0]["fs"] == "checkpoints" and s["disk_low"][0]["free_bytes"] == 1024
     text = run_status.render_status(s)
     assert "disk low   checkpoints (/ckpt) on n1 in attempt 2: 1024 bytes free, 0.10% (threshold 5%)" in text
+
+
+def test_ls_lists_finished_failed_and_running_runs(tmp_path: Path, cli):
+    from .synthetic_run import CONFIG_HASH, IMAGE_SHA, events
+
+    root = tmp_path / "runs"
+    write_run(root / "a-finished")
+    gave_up = [e for e in events() if e["event"] != "run.finished"]
+    write_run(root / "b-failed", event_list=[*gave_up, {"t": T0 + 124, "event": "run.gave_up", "reason": "x"}])
+    write_run(root / "c-running", event_list=gave_up[:5])
+    write_run(root / "d-broken")
+    (root / "d-broken" / "manifest.json").write_text("{not json")
+    (root / "not-a-run").mkdir()
+    lock = RunDir(root / "c-running").lock().acquire()
+    try:
+        done = cli("ls", str(root), check=0)
+        rows = json.loads(cli("ls", str(root), "--json", check=0).stdout)
+    finally:
+        lock.release()
+    assert [r["name"] for r in rows] == ["a-finished", "b-failed", "c-running", "d-broken"]
+    assert [r["state"] for r in rows] == ["finished", "gave up", "running", "unreadable"]
+    assert rows[0]["step"] == 19 and rows[0]["total_steps"] == 20 and rows[0]["config_hash"] == CONFIG_HASH
+    assert rows[0]["image_sha256"] == IMAGE_SHA and rows[0]["launcher"] == "slurm"
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "STATE", "STEP", "LOSS", "CONFIG", "IMAGE", "LAUNCHER", "JOB", "AGE"]
+    assert lines[1].split()[:3] == ["a-finished", "finished", "20/20"] and "abababababab" in lines[1]
+    assert "cdcdcdcdcdcd" in lines[1] and "d-broken" in lines[4] and "unreadable" in lines[4]
+    assert "not-a-run" not in done.stdout
+    one = json.loads(cli("ls", str(root / "a-finished"), "--json", check=0).stdout)
+    assert [r["name"] for r in one] == ["a-finished"]
+    missing = cli("ls", str(tmp_path / "nope"), check=2)
+    assert "not a directory" in missing.stderr and "Traceback" not in missing.stderr
