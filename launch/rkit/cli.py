@@ -77,8 +77,10 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
                    "(add ,repeat=true to fire every attempt).")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 @click.option("--wait", is_flag=True, help="launcher: slurm: follow the job until the run ends.")
+@click.option("--dry-run", is_flag=True, help="Print the sbatch script (Slurm) or each rank's command line and "
+              "the variables rkit sets (local); write nothing, start nothing.")
 def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
-        wait: bool) -> None:
+        wait: bool, dry_run: bool) -> None:
     """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
     from . import runner
     from . import status as run_status
@@ -88,6 +90,9 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
 
     loaded = load_recipe(recipe, overrides)
     injections = parse_injections(injects, loaded.processes)
+    if dry_run:
+        click.echo(runner.dry_run(loaded, injections))
+        return
     with live_progress(enabled=not quiet and loaded.config.launcher == "local",
                        total=loaded.total_steps) as on_progress:
         run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)

@@ -23,7 +23,7 @@ from .policy import Progress, RunState
 from .recipe import Recipe, parse_recipe
 from .recipe_yaml import PATH_CHARS_WHY, unsafe_path_chars
 from .rundir import EV, RunDir, RunLock, set_access, write_atomic, write_json_atomic
-from .stamp import canonical_json, config_hash, hashed_config, is_secret_name
+from .stamp import canonical_json, config_hash, hashed_config, is_secret_name, redact
 from .supervisor import Supervisor, default_jax_cache_dir
 
 
@@ -280,6 +280,40 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
         run = submit_slurm(recipe, image=image, resume=False, injections=[], extra_stamp=extra)
         return run, RunState.PENDING
     return execute(recipe, image=image, resume=False, injections=[], on_progress=on_progress, extra_stamp=extra)
+
+
+def dry_run(recipe: Recipe, injections: list[Injection]) -> str:
+    """`rkit run --dry-run`: what `rkit run` would start, written nowhere: the sbatch argv and batch script
+    (Slurm), or each rank's command line and the variables rkit sets for it, redacted (local). The image is
+    resolved as for a run (a missing one fails here the same way)."""
+    import shlex
+
+    image = resolve_image(recipe.config.image)
+    run = run_path(recipe)
+    head = [f"# rkit run --dry-run: {recipe.source}, config hash {recipe.config_hash}",
+            f"# run directory {run.path.resolve()} ({'exists: --resume continues it' if run.exists() else 'new'})",
+            f"# image {image.path} ({image.sha256})" if image else "# image: none (this Python environment)"]
+    if recipe.config.launcher == "slurm":
+        from .backends import slurm
+
+        request = slurm.render_batch(run, recipe.config, recipe.config.slurm.python or sys.executable)
+        return "\n".join([*head, "# sbatch argv, one item per line:",
+                          *(f"#   {redact(a)}" for a in request.argv), request.script.rstrip("\n")])
+    host = dict(os.environ)
+    container = None
+    if image is not None:
+        container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
+                              binds=(str(run.path.resolve()), default_jax_cache_dir()))
+    supervisor = Supervisor(run=run, config=recipe.config, injections=injections,
+                            backend=LocalBackend(container=container), base_env=training_env(recipe, image, host),
+                            host_env=host, image=image, jax_cache_dir=default_jax_cache_dir())
+    request = supervisor.launch_request(1, [i for i in injections if i.in_trainer], run.attempt_dir(1))
+    out = head
+    for rank in request.ranks:
+        changed = {k: v for k, v in sorted(rank.env.items()) if host.get(k) != v}
+        out += [f"# rank {rank.rank}: log {rank.log}", shlex.join(rank.argv),
+                *(f"  {k}={shlex.quote(str(v))}" for k, v in redact(changed).items())]
+    return "\n".join(out)
 
 
 def _free_name(runs_dir: Path, base: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import outcome as run_outcome
 from .attemptrecord import close_record, refuse_if_alive, started_at
-from .backends.base import Backend, Handle, NotEnoughNodes, RankExit
+from .backends.base import Backend, Handle, NotEnoughNodes, RankExit, Request
 from .config import Config
 from .errors import RkitError
 from .image import ImageIdentity
@@ -75,6 +75,17 @@ class Supervisor:
 
     def excluded(self) -> list[str]:
         return list(self.backend.exclude)
+
+    def launch_request(self, attempt: int, in_trainer: list[Injection], attempt_dir: Path) -> Request:
+        """What the backend will start for this attempt (rkit run --dry-run prints it; nothing is written)."""
+        env = dict(self.base_env)
+        env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
+                    "RKIT_BASE_CONFIG": self.config.trainer.base_config,
+                    UMASK_ENV: f"{umask_for(self.config.access):03o}",
+                    "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer])})
+        args = maxtext.maxtext_overrides(self.config, self.run, self.jax_cache_dir)
+        return self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args, base_env=env,
+                                    attempt_dir=attempt_dir, cwd=Path.cwd(), host_env=self.host_env)
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self.request_stop)
@@ -183,16 +194,8 @@ class Supervisor:
         in_trainer = [i for i in injections if i.in_trainer]
         sigterm_at = min((i for i in injections if i.kind == "sigterm"), key=lambda i: i.step, default=None)
 
-        env = dict(self.base_env)
-        env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
-                    "RKIT_BASE_CONFIG": self.config.trainer.base_config,
-                    UMASK_ENV: f"{umask_for(self.config.access):03o}",
-                    "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer])})
-        args = maxtext.maxtext_overrides(self.config, self.run, self.jax_cache_dir)
         try:
-            request = self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args,
-                                           base_env=env, attempt_dir=attempt_dir, cwd=Path.cwd(),
-                                           host_env=self.host_env)
+            request = self.launch_request(attempt, in_trainer, attempt_dir)
         except NotEnoughNodes as exc:
             self.run.emit(EV.ATTEMPT_NO_NODES, attempt=attempt, healthy=exc.healthy, excluded=exc.excluded)
             return Outcome(Cause.NODE_FAIL, committed_before, committed_before, str(exc), requeue=True)

@@ -129,3 +129,22 @@ def test_override_fuzz_never_crashes(key, value):
         parse_recipe(str(TINY), TINY.read_text(), [f"{key}={value}"])
     except RkitError:
         pass
+
+
+def test_dry_run_prints_what_would_start_and_writes_nothing(tmp_path, cli):
+    from ..conftest import TINY
+
+    done = cli("run", str(TINY), "--dry-run", "-o", "env.FOO=bar", "--inject", "kill:rank=1,step=5", cwd=tmp_path,
+               check=0)
+    assert list(tmp_path.iterdir()) == []  # no run directory, nothing else
+    out = done.stdout
+    assert "# rank 0: log runs/tiny-cpu/attempts/1/rank-0.log" in out and "# rank 1:" in out
+    assert "-m rkit.agent" in out and "steps=100" in out and "  FOO=bar" in out and "  RKIT_RANK=1" in out
+    assert '"kind": "kill"' in out  # the injection reaches the ranks
+    slurm = cli("run", str(TINY), "--dry-run", "-o", "launcher=slurm", "-o", "slurm.partition=debug", cwd=tmp_path,
+                check=0)
+    assert list(tmp_path.iterdir()) == []
+    assert "#   --partition=debug" in slurm.stdout and "#!/bin/bash" in slurm.stdout
+    assert "-m rkit.cli supervise" in slurm.stdout
+    bad = cli("run", str(TINY), "--dry-run", "-o", "trainer.steps=0", cwd=tmp_path, check=2)
+    assert "trainer.steps" in bad.stderr and list(tmp_path.iterdir()) == []
