@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import determinism
+from . import determinism, devices
 from .inject import FIRED_EVENT, Injection
 from .rundir import EV, UMASK_ENV, RunDir, open_for_writing, write_json_atomic
 from .telemetry import metrics
@@ -74,6 +74,16 @@ def drop_maxtext_settings_from_env(environ: dict[str, str] | os._Environ) -> lis
     for name in names:
         del environ[name]
     return names
+
+
+def bind_devices(ctx: AgentContext, environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """This process's share of its node's GPUs (devices.py), set before JAX starts; an `agent.devices` event."""
+    local = devices.local_rank(dict(environ), ctx.rank)
+    bound = devices.binding(dict(environ), local)
+    if bound:
+        environ.update(bound)
+        ctx.run.emit(EV.AGENT_DEVICES, attempt=ctx.attempt, rank=ctx.rank, local_rank=local, variables=bound)
+    return bound
 
 
 def write_env_manifest(ctx: AgentContext) -> Path:
@@ -287,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"rkit: ignored {', '.join(dropped)}: MaxText would read them as settings outside the "
                          "recipe; put them in trainer.overrides\n")
         ctx.run.emit(EV.AGENT_ENV_DROPPED, attempt=ctx.attempt, rank=ctx.rank, names=dropped)
+    bind_devices(ctx, os.environ)  # before jax is imported: it reads the visibility variables once
     init_distributed(ctx)
     write_env_manifest(ctx)
     start_node_services(ctx.run, ctx.attempt)  # health sampler + exporter; local rank 0 of a node only

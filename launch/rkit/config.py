@@ -30,6 +30,7 @@ class Trainer:
 class Resources:
     nodes: int
     processes_per_node: int
+    gpus_per_node: int | None = None  # no schema default: a recipe without it keeps its config hash
 
     @property
     def processes(self) -> int:
@@ -112,6 +113,12 @@ class Config:
     @property
     def processes(self) -> int:
         return self.resources.processes
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The GPUs a node's processes share (devices.py): resources.gpus_per_node, else slurm.gpus_per_node."""
+        given = self.resources.gpus_per_node
+        return int(given if given is not None else self.slurm.gpus_per_node if self.launcher == "slurm" else 0)
 
     @classmethod
     def from_resolved(cls, resolved: dict) -> Config:

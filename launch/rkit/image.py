@@ -61,7 +61,7 @@ def sha256_file(path: Path) -> str:
 # The part of rkit that runs inside an image (the agent and what it imports, and the build-time writer of
 # /etc/rkit/image.json). Only these files are in the cache key: a change to the host-side CLI, supervisor or
 # backends does not rebuild images. tests/unit/test_container_definitions.py checks this list is complete.
-IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "config.py", "defaults.py", "determinism.py", "errors.py",
+IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "config.py", "defaults.py", "determinism.py", "devices.py", "errors.py",
                     "imageinfo.py", "inject.py", "manifest.py", "rundir.py", "schema/recipe.schema.json", "stamp.py",
                     "telemetry/__init__.py",
                     "telemetry/metrics.py", "telemetry/node.py", "telemetry/health.py", "telemetry/gpu.py",

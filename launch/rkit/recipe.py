@@ -153,7 +153,15 @@ def _semantic_problems(data: dict) -> list[Problem]:
             and data["resources"].get("nodes", 1) != 1:
         problems.append(Problem("resources.nodes", "the local launcher runs on one node; set 1, or use "
                                                    "launcher: slurm for several."))
-    slurm = data.get("slurm")
+    res, slurm = data.get("resources"), data.get("slurm")
+    if isinstance(res, dict) and isinstance(res.get("processes_per_node"), int) and res["processes_per_node"] > 1:
+        gpus = res.get("gpus_per_node")
+        if gpus is None and data.get("launcher") == "slurm" and isinstance(slurm, dict):
+            gpus = slurm.get("gpus_per_node")
+        if isinstance(gpus, int) and gpus and gpus % res["processes_per_node"]:
+            problems.append(Problem("resources.gpus_per_node", f"{gpus} GPUs do not split evenly over "
+                                    f"{res['processes_per_node']} processes per node; give a multiple of "
+                                    "processes_per_node."))
     if isinstance(slurm, dict):
         for i, option in enumerate(slurm.get("extra_sbatch") or []):
             name = str(option).split("=", 1)[0]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import devices
 from . import outcome as run_outcome
 from .attemptrecord import close_record, refuse_if_alive, started_at
 from .backends.base import Backend, Handle, NotEnoughNodes, RankExit, Request
@@ -82,7 +83,10 @@ class Supervisor:
         env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
                     "RKIT_BASE_CONFIG": self.config.trainer.base_config,
                     UMASK_ENV: f"{umask_for(self.config.access):03o}",
-                    "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer])})
+                    "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer]),
+                    devices.GPUS_ENV: str(self.config.gpus_per_node),
+                    devices.PER_NODE_ENV: str(self.config.resources.processes_per_node),
+                    devices.VENDOR_ENV: devices.vendor_of(self.image.gpu_flags if self.image else ())})
         args = maxtext.maxtext_overrides(self.config, self.run, self.jax_cache_dir)
         return self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args, base_env=env,
                                     attempt_dir=attempt_dir, cwd=Path.cwd(), host_env=self.host_env)

@@ -167,3 +167,4 @@ def test_a_clobbered_switch_is_named():
     assert {item["switch"] for item in lost} == {"XLA_FLAGS --xla_gpu_autotune_level",
                                                   "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "jax_default_prng_impl"}
     assert {"switch": "XLA_FLAGS --xla_gpu_autotune_level", "expected": "0", "found": "4"} in lost
+
