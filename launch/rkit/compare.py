@@ -133,7 +133,10 @@ def compare_metric(name: str, a: dict[str, Any], b: dict[str, Any], limits: Limi
     worse_lo, worse_hi = (lo, hi) if lower_better else (1 / hi, 1 / lo)
     limit = 1 + limits.threshold
     verdict = worse_word if worse_lo > limit else better_word if worse_hi < 1 / limit else "same"
-    return {**row, "ratio": ratio, "interval": [lo, hi], "verdict": verdict, "worse": verdict == worse_word}
+    # "same" but the interval reaches past the threshold: the noise hides what the threshold asks about.
+    inconclusive = verdict == "same" and worse_hi > limit
+    return {**row, "ratio": ratio, "interval": [lo, hi], "verdict": verdict, "worse": verdict == worse_word,
+            "inconclusive": inconclusive}
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], limits: Limits = Limits(), *, loss_counts: bool = True
@@ -198,7 +201,8 @@ def render(result: dict[str, Any]) -> str:
         lo, hi = m["interval"]
         ci = "" if lo == hi else f" [{lo:.3f}, {hi:.3f}]"
         out.append(f"  {m['metric']:<26} A {_num(m['a'])}  B {_num(m['b'])}  ratio {m['ratio']:.3f}{ci}  "
-                   f"{m['verdict']}")
+                   f"{m['verdict']}" + (" (inconclusive: the interval reaches past the threshold; more rounds or "
+                                        "a quieter machine)" if m.get("inconclusive") else ""))
     for key, (va, vb) in result["informative"].items():
         if va is None and vb is None:
             continue

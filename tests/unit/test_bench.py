@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rkit import bench, compare, determinism
+from rkit import bench, compare, determinism, outcome
 from rkit.errors import RkitError
 
 from .test_compare import LOSSES, record
@@ -168,3 +168,14 @@ def test_a_clobbered_switch_is_named():
                                                   "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "jax_default_prng_impl"}
     assert {"switch": "XLA_FLAGS --xla_gpu_autotune_level", "expected": "0", "found": "4"} in lost
 
+
+
+def test_too_much_noise_is_called_inconclusive_not_same():
+    a = {"step_time": {**outcome.summary([1.0]), "samples": rounds_of(0.05, seed=1, shift=0.6), "n": 180}}
+    b = {"step_time": {**outcome.summary([1.0]), "samples": rounds_of(0.05, seed=2, shift=0.6), "n": 180}}
+    noisy = compare.compare_metric("step_time", a, b, compare.Limits(threshold=0.05))
+    assert noisy["verdict"] == "same" and noisy["inconclusive"]
+    quiet = compare.compare_metric("step_time", {"step_time": {**a["step_time"], "samples": rounds_of(0.05, seed=1)}},
+                                   {"step_time": {**b["step_time"], "samples": rounds_of(0.05, seed=2)}},
+                                   compare.Limits(threshold=0.10))
+    assert quiet["verdict"] == "same" and not quiet["inconclusive"]
