@@ -28,6 +28,7 @@ class EV:
 
     RUN_SUBMITTED = "run.submitted"
     RUN_RESUMED = "run.resumed"
+    RUN_CHANGED = "run.changed"  # --resume with operational changes or a longer trainer.steps: {key: [old, new]}
     RUN_FINISHED = "run.finished"
     RUN_GAVE_UP = "run.gave_up"
     RUN_INTERRUPTED = "run.interrupted"

@@ -23,8 +23,9 @@ from .policy import Progress, RunState
 from .recipe import Recipe, parse_recipe
 from .recipe_yaml import PATH_CHARS_WHY, unsafe_path_chars
 from .rundir import EV, RunDir, RunLock, set_access, write_atomic, write_json_atomic
-from .stamp import canonical_json, config_hash, hashed_config, is_secret_name, redact
+from .stamp import canonical_json, hashed_config, is_secret_name, redact
 from .supervisor import Supervisor, default_jax_cache_dir
+from .trainers import maxtext
 
 
 def run_path(recipe: Recipe) -> RunDir:
@@ -64,7 +65,8 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
         if created:
             stamp(run, recipe, injections, image, extra_stamp or {})
         else:
-            check_resume(run, recipe, image)
+            if changes := check_resume(run, recipe, image):
+                apply_changes(run, recipe, changes)
             run.emit(EV.RUN_RESUMED, injections=[i.spec for i in injections], host=manifest.socket.gethostname())
         yield run, lock
     finally:
@@ -99,18 +101,48 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
              injections=[i.spec for i in injections], total_steps=recipe.total_steps)
 
 
-def check_resume(run: RunDir, recipe: Recipe, image: ImageIdentity | None) -> None:
+def check_resume(run: RunDir, recipe: Recipe, image: ImageIdentity | None) -> dict[str, list]:
+    """What `--resume` may change, as {dotted key: [old, new]}: the operational knobs (stamp.OPERATIONAL_KEYS:
+    budgets, timeouts, observability, Slurm time, partition, ...), `access`, and `trainer.steps` (to extend
+    training; never below the committed step). Any other change trains something else: refused, listed."""
     stamped = run.load_manifest().get("image", {})
     if image is not None and stamped.get("sha256") != image.sha256:
         raise RkitError(f"{run.path}: the image differs from the one this run was started with: expected "
                         f"{stamped.get('sha256')}, found {image.sha256} ({image.path}). A resumed run must use the "
                         "same software: restore that image, or start a new run with -o name=NEW.")
     recorded = run.load_resolved()
-    if config_hash(recorded) != recipe.config_hash:
-        diff = sorted(_changed_keys(hashed_config(recorded), hashed_config(recipe.resolved)))
-        raise RkitError(f"{run.path}: the recipe differs from the one this run was started with "
-                        f"(changed: {', '.join(diff)}); a resumed run must train the same config. "
-                        "Start a new run with -o name=NEW.")
+    training = sorted(k for k in _changed_keys(hashed_config(recorded), hashed_config(recipe.resolved))
+                      if k != "trainer.steps")
+    if training:
+        raise RkitError(f"{run.path}: the recipe differs from the one this run was started with in what it trains "
+                        f"(changed: {', '.join(training)}); a resumed run must train the same config. Operational "
+                        "settings (resilience, observability, slurm time/partition/account/qos/...) and a longer "
+                        "trainer.steps may change on --resume. Start a new run with -o name=NEW.")
+    changes = {key: [_at(recorded, key), _at(recipe.resolved, key)]
+               for key in sorted(_changed_keys(recorded, recipe.resolved)) if key not in ("name", "runs_dir")}
+    if "trainer.steps" in changes:
+        committed = maxtext.latest_committed_step(run)
+        if committed is not None and int(recipe.config.trainer.steps) - 1 < committed:
+            raise RkitError(f"{run.path}: trainer.steps {recipe.config.trainer.steps} ends before the committed step "
+                            f"{committed}; a resumed run can extend training, not end before what it saved. Give "
+                            f"trainer.steps of at least {committed + 1}.")
+    return changes
+
+
+def apply_changes(run: RunDir, recipe: Recipe, changes: dict[str, list]) -> None:
+    """A resume's accepted changes: resolved.json and the stamp's config hash become the new ones (the Slurm job's
+    supervisor reads them), and a run.changed event keeps the old and new values."""
+    write_json_atomic(run.resolved, recipe.resolved)
+    stamp_data = run.load_manifest()
+    stamp_data.update(config_hash=recipe.config_hash, hashed_config=hashed_config(recipe.resolved))
+    write_json_atomic(run.manifest, stamp_data)
+    run.emit(EV.RUN_CHANGED, changes=changes, config_hash=recipe.config_hash)
+
+
+def _at(tree: object, dotted: str) -> object:
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
 
 
 def _changed_keys(a: object, b: object, prefix: str = "") -> list[str]:

@@ -59,9 +59,36 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+# Operational knobs: how the run is kept going and watched, not what it trains. Out of the config hash, so
+# `rkit run --resume` accepts a change to them (recorded as a run.changed event).
+OPERATIONAL_KEYS = ("resilience", "observability", "slurm.partition", "slurm.account", "slurm.qos", "slurm.time",
+                    "slurm.extra_sbatch", "slurm.signal_lead_seconds", "slurm.spare_nodes", "slurm.exclusive",
+                    "slurm.container_launch", "slurm.python")
+
+
 def hashed_config(resolved: dict) -> dict:
-    """The part of a resolved recipe that the config hash covers: everything but the run's identity."""
-    return {k: v for k, v in resolved.items() if k not in IDENTITY_KEYS}
+    """The part of a resolved recipe that the config hash covers, what defines the training: everything but the
+    run's identity (IDENTITY_KEYS) and the operational knobs (OPERATIONAL_KEYS)."""
+    out = {k: v for k, v in resolved.items() if k not in IDENTITY_KEYS and k not in OPERATIONAL_KEYS}
+    for dotted in OPERATIONAL_KEYS:
+        section, _, key = dotted.partition(".")
+        if key and isinstance(out.get(section), dict) and key in out[section]:
+            out[section] = {k: v for k, v in out[section].items() if k != key}
+    return out
+
+
+def operational_config(resolved: dict) -> dict:
+    """The operational knobs of a resolved recipe, by dotted key."""
+    out = {}
+    for dotted in OPERATIONAL_KEYS:
+        section, _, key = dotted.partition(".")
+        value = resolved.get(section)
+        if key:
+            if isinstance(value, dict) and key in value:
+                out[dotted] = value[key]
+        elif value is not None:
+            out[dotted] = value
+    return out
 
 
 def config_hash(resolved: dict) -> str:

@@ -110,6 +110,29 @@ def test_rerun_of_a_finished_run_is_reported_done(workspace: Path, baseline: Run
     assert "already committed" in events(baseline, "run.finished")[-1]["reason"]
 
 
+def test_a_finished_run_resumed_with_more_steps_trains_on_to_the_new_end(workspace: Path):
+    """--resume with a larger trainer.steps and a larger budget (issue 13, item 3): accepted, recorded as
+    run.changed, and the run trains from its last committed step to the new end."""
+    run = run_tiny(workspace, "extended", "-o", "trainer.steps=20")
+    assert maxtext_committed(run) == 19
+    done = rkit("run", str(TINY), "-o", "name=extended", *SHORT, "-o", "resilience.max_restarts=7", "--resume",
+                "--quiet", cwd=workspace, env=ENV, check=0)
+    assert "finished" in done.stdout
+    (changed,) = events(run, "run.changed")
+    assert changed["changes"] == {"trainer.steps": [20, 30], "resilience.max_restarts": [3, 7]}
+    assert events(run, "attempt.started")[-1]["resume_from_step"] == 19
+    assert trained_steps(run, 2) == set(range(20, 30)) and maxtext_committed(run) == 29
+    refused = rkit("run", str(TINY), "-o", "name=extended", *SHORT, "-o", "trainer.overrides.base_emb_dim=128",
+                   "--resume", cwd=workspace, env=ENV, check=2)
+    assert "trainer.overrides.base_emb_dim" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def maxtext_committed(run: RunDir) -> int | None:
+    from rkit.trainers.maxtext import latest_committed_step
+
+    return latest_committed_step(run)
+
+
 @pytest.mark.parametrize("name,spec,cls,rank,code,signame", [
     ("kill", "kill:rank=1,step=25", "task_signal", 1, None, "SIGKILL"),
     ("exit", "exit:rank=0,step=25,code=3", "task_exit", 0, 3, None),

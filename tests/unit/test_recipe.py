@@ -57,10 +57,16 @@ def _changed(value):
     return f"{value}x"
 
 
+def _operational(path: tuple) -> bool:
+    from rkit.stamp import OPERATIONAL_KEYS
+
+    return path[0] in OPERATIONAL_KEYS or ".".join(path[:2]) in OPERATIONAL_KEYS
+
+
 def test_hash_changes_with_every_value_that_can_change_training():
     base = load_recipe(TINY)
     for path, value in _leaves(base.resolved):
-        if path[0] in IDENTITY_KEYS:
+        if path[0] in IDENTITY_KEYS or _operational(path):
             continue
         changed = copy.deepcopy(base.resolved)
         target = changed
@@ -68,6 +74,24 @@ def test_hash_changes_with_every_value_that_can_change_training():
             target = target[key]
         target[path[-1]] = _changed(value)
         assert config_hash(changed) != base.config_hash, path
+
+
+def test_operational_knobs_are_out_of_the_hash():
+    """What keeps the run going and watches it (budgets, timeouts, observability, Slurm's time and queue) is not
+    what it trains: --resume accepts changes to them."""
+    base = load_recipe(TINY)
+    leaves = [path for path, _ in _leaves(base.resolved) if _operational(path)]
+    assert {p[0] for p in leaves} == {"resilience", "observability", "slurm"} and len(leaves) > 15
+    for path, value in _leaves(base.resolved):
+        if not _operational(path):
+            continue
+        changed = copy.deepcopy(base.resolved)
+        target = changed
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = _changed(value)
+        assert config_hash(changed) == base.config_hash, path
+    assert load_recipe(TINY, ["slurm.gpus_per_node=8"]).config_hash != base.config_hash  # the process layout
 
 
 @pytest.mark.parametrize("key", ["base_emb_dim", "vocab_size", "per_device_batch_size", "dataset_type"])
