@@ -55,11 +55,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="gates per slowdown")
     parser.add_argument("--rounds", type=int, default=3, help="rkit bench gate --rounds (its default: 3)")
     parser.add_argument("--threshold", type=float, default=0.10, help="rkit bench gate --threshold (default 0.10)")
+    parser.add_argument("--slowdowns", nargs="*", default=list(SLOWDOWNS), metavar="KEY=VALUE",
+                        help="candidate overrides, one real slowdown each (default: a wider MLP, one more layer)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "gate_noise.json")
     args = parser.parse_args()
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rkit-gate-") as tmp:
-        plan = [[]] * args.pairs + [[s] for s in SLOWDOWNS for _ in range(args.repeats)]
+        plan = [[]] * args.pairs + [[s] for s in args.slowdowns for _ in range(args.repeats)]
         for i, candidate in enumerate(plan, 1):
             r = gate(Path(tmp), candidate, args.rounds, args.threshold)
             results.append(r)
@@ -74,7 +76,7 @@ def main() -> None:
           f"interval [{lo:.0%}, {hi:.0%}]); rounds {args.rounds}, threshold {args.threshold:.0%}")
     print("identical pairs' step-time ratio: median {:.3f}, range [{:.3f}, {:.3f}]".format(
         statistics.median(r["ratio"] for r in same), min(r["ratio"] for r in same), max(r["ratio"] for r in same)))
-    for s in SLOWDOWNS:
+    for s in args.slowdowns:
         rs = [r for r in results if r["candidate"] == [s]]
         print(f"{s}: measured step-time ratio median {statistics.median(r['ratio'] for r in rs):.3f}; "
               f"detected {sum(r['exit'] for r in rs)}/{len(rs)}")
