@@ -209,7 +209,7 @@ def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
 
     from .errors import RkitError
     from .rundir import RunDir
-    from .stamp import hashed_config
+    from .stamp import IDENTITY_KEYS
 
     stamp: dict[str, Any] = {}
     config: dict[str, Any] = {}
@@ -219,7 +219,8 @@ def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
             if not (source / "resolved.json").is_file():
                 raise RkitError(f"{source}: not an rkit run directory (no resolved.json) nor a manifest file.")
             run = RunDir(source)
-            config = hashed_config(run.load_resolved())
+            # Every input but the run's identity: the operational knobs too (out of the hash, not out of the diff).
+            config = {k: v for k, v in run.load_resolved().items() if k not in IDENTITY_KEYS}
             stamp = run.load_manifest()
             env = _latest_env_manifest(source)
         else:
