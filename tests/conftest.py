@@ -64,6 +64,15 @@ def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
     return done
 
 
+@pytest.fixture(scope="session", autouse=True)
+def status_cache(tmp_path_factory) -> Path:
+    """rkit status keeps its digests (rkit.digest) in a folder of the test session, not in the user's cache;
+    the CLI subprocesses inherit it."""
+    path = tmp_path_factory.mktemp("status-cache")
+    os.environ["RKIT_STATUS_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture
 def cli():
     return rkit

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Config
+from .digest import RunDigest
 from .policy import FINAL_EVENTS, RunState
 from .rundir import EV, RunDir, last_jsonl
 from .telemetry import goodput, metrics
@@ -19,35 +21,104 @@ SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "
                 "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT")
 
 
-def slurm_info(events: list[dict]) -> dict[str, Any] | None:
+@dataclass
+class StatusFold:
+    """What `rkit status` reads of the events, folded in one event at a time (`feed`): rkit.digest keeps one per
+    run, so a call reads only the events appended since the last; `StatusFold.of(events)` for events in hand."""
+
+    goodput: goodput.EventFold = field(default_factory=goodput.EventFold)
+    count: int = 0
+    last: dict | None = None
+    word: dict | None = None  # the newest final word, run.submitted or run.resumed (run_state)
+    submitted_t: float | None = None
+    rows: dict[int, dict[str, Any]] = field(default_factory=dict)  # per attempt, by number
+    stepped: set[int] = field(default_factory=set)  # attempts with an attempt.first_step
+    job_submitted: bool = False
+    job_id: Any = None  # of the last job.submitted, as written (checked where it is used)
+    jobs_started: list[dict] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)  # the last nodes.excluded
+    injections: list[Any] = field(default_factory=list)
+    stragglers: list[dict] = field(default_factory=list)
+    disk_low: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, events: Iterable[dict]) -> StatusFold:
+        fold = cls()
+        for e in events:
+            fold.feed(e)
+        return fold
+
+    def feed(self, e: dict) -> None:
+        self.goodput.feed(e)
+        self.count += 1
+        self.last = e
+        kind = e.get("event")
+        if kind in FINAL_EVENTS or kind in (EV.RUN_SUBMITTED, EV.RUN_RESUMED):
+            self.word = e
+        if kind == EV.RUN_SUBMITTED and self.submitted_t is None:
+            self.submitted_t = e["t"]
+        n = e.get("attempt")
+        if n is not None:
+            row = self.rows.setdefault(n, {"attempt": n})
+            if kind == EV.ATTEMPT_STARTED:
+                row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"))
+            elif kind == EV.ATTEMPT_FIRST_STEP:
+                row["first_step_seconds"] = e.get("seconds_since_start")
+            elif kind == EV.ATTEMPT_ENDED:
+                row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
+                           committed_step=e.get("committed_step"))
+        if kind == EV.ATTEMPT_FIRST_STEP:
+            self.stepped.add(n)
+        elif kind == EV.JOB_SUBMITTED:
+            self.job_submitted, self.job_id = True, e.get("job_id")
+        elif kind == EV.JOB_STARTED:
+            self.jobs_started.append(e)
+        elif kind == EV.NODES_EXCLUDED:
+            self.excluded = e["excluded"]
+        elif kind == EV.INJECT_FIRED:
+            self.injections.append(e.get("spec"))
+        elif kind == EV.NODE_STRAGGLER:
+            self.stragglers.extend(straggler_events([e]))
+        elif kind == EV.DISK_LOW:
+            self.disk_low.append({k: e.get(k) for k in ("attempt", "node", "fs", "path", "free_bytes", "fraction",
+                                                        "threshold")})
+
+    def attempts(self) -> list[dict[str, Any]]:
+        """One row per attempt, by number (copies: a caller may add to them)."""
+        return [dict(self.rows[n]) for n in sorted(self.rows)]
+
+
+def _fold(events: list[dict] | StatusFold) -> StatusFold:
+    return events if isinstance(events, StatusFold) else StatusFold.of(events)
+
+
+def slurm_info(events: list[dict] | StatusFold) -> dict[str, Any] | None:
     """The run's Slurm job as its events and squeue see it (None for local runs)."""
     from .backends import slurm
 
-    job = slurm.submitted_job_id(events, "events.jsonl")
-    if job is None:
+    fold = _fold(events)
+    if not fold.job_submitted:
         return None
+    job = slurm.checked_job_id(fold.job_id, "events.jsonl (job.submitted)")
     live = slurm.job_state(job)
-    started = [e for e in events if e.get("event") == EV.JOB_STARTED and e.get("job_id") == job]
-    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])
+    started = [e for e in fold.jobs_started if e.get("job_id") == job]
     return {"job_id": job, "state": live.get("state", "gone (not in the queue)"), "reason": live.get("reason"),
             "nodes": live.get("nodes") or (started[-1].get("allocation") if started else None),
-            "excluded_nodes": excluded,
+            "excluded_nodes": fold.excluded,
             # SLURM_RESTART_COUNT counts every requeue of the job, Slurm's own (node failure) and rkit's.
             "requeues": max((e.get("restart_count", 0) for e in started), default=0),
             "restart_count": started[-1].get("restart_count") if started else None}
 
 
-def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = None, *,
+def run_state(run: RunDir, events: list[dict] | StatusFold, slurm: dict[str, Any] | None = None, *,
               final_committed: bool = False) -> tuple[RunState, str]:
     if run.is_locked():
         return RunState.RUNNING, "a supervisor is running this run"
-    for e in reversed(events):
-        kind = e.get("event")
-        if kind in FINAL_EVENTS:
-            return FINAL_EVENTS[kind], e.get("reason", "")
-        if kind in (EV.RUN_SUBMITTED, EV.RUN_RESUMED):
-            break
-    if not events:
+    fold = _fold(events)
+    kind = fold.word.get("event") if fold.word else None
+    if kind in FINAL_EVENTS:
+        return FINAL_EVENTS[kind], fold.word.get("reason", "")
+    if not fold.count:
         return RunState.PENDING, "nothing has happened yet"
     if slurm and slurm["state"] in SLURM_ACTIVE:
         return RunState.PENDING if slurm["state"] != "RUNNING" else RunState.RUNNING, \
@@ -60,59 +131,68 @@ def run_state(run: RunDir, events: list[dict], slurm: dict[str, Any] | None = No
                               "resume with `rkit run RECIPE --resume`")
 
 
-def attempts(events: list[dict]) -> list[dict[str, Any]]:
-    table: dict[int, dict[str, Any]] = {}
-    for e in events:
-        n = e.get("attempt")
-        if n is None:
-            continue
-        row = table.setdefault(n, {"attempt": n})
-        kind = e.get("event")
-        if kind == EV.ATTEMPT_STARTED:
-            row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"))
-        elif kind == EV.ATTEMPT_FIRST_STEP:
-            row["first_step_seconds"] = e.get("seconds_since_start")
-        elif kind == EV.ATTEMPT_ENDED:
-            row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
-                       committed_step=e.get("committed_step"))
-    return [table[n] for n in sorted(table)]
+def _steps_from_digest(digest: RunDigest, fold: StatusFold, period: int | None
+                       ) -> tuple[list[dict[str, Any]], int, dict[int, goodput.AttemptSteps]] | None:
+    """The merged view's newest 20 steps, the count of recomputed steps and goodput's AttemptSteps from rank 0's
+    digest; None when it cannot stand in for the lines (legacy lines, or an attempt that stepped without rank 0:
+    goodput then reads every rank)."""
+    rank0 = digest.rank0()
+    if rank0.legacy or fold.stepped - set(rank0.attempts()):
+        return None
+    return rank0.newest_steps(20), rank0.recomputed_steps(), rank0.attempt_steps(period)
 
 
 def status(run: RunDir, *, events: list[dict] | None = None, config: Config | None = None, stamp: dict | None = None,
            rank_lines: dict[int, list[dict[str, Any]]] | None = None,
-           placed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+           placed: list[dict[str, Any]] | None = None, digest: RunDigest | None = None) -> dict[str, Any]:
     """The run's state as plain data. The keywords are what a caller has read already (`rkit report` reads each
     file once): events (run.events()), config (run.config()), stamp (run.load_manifest()), rank_lines
-    (metrics.lines of every rank, by rank) and placed (goodput.run_lines)."""
+    (metrics.lines of every rank, by rank) and placed (goodput.run_lines). Without them the events and rank 0's
+    metrics are read through `digest` (rkit.digest: only what was appended since the last read; a live view
+    passes the same one every frame), saved to the reader's cache afterwards."""
     run.require()
     config = run.config() if config is None else config
     stamp = run.load_manifest() if stamp is None else stamp
-    events = run.events() if events is None else events
-    slurm = slurm_info(events)
+    own_digest = digest is None and events is None and rank_lines is None and placed is None
+    if own_digest:
+        digest = new_digest(run)
+    fold = StatusFold.of(events) if events is not None else digest.fold() if digest is not None else \
+        StatusFold.of(run.events())
+    slurm = slurm_info(fold)
     committed = maxtext.latest_committed_step(run)
-    state, reason = run_state(run, events, slurm,
+    state, reason = run_state(run, fold, slurm,
                               final_committed=committed is not None and committed >= config.trainer.final_step)
     total = int(config.trainer.steps)
     processes = config.processes
-    # read once: the merged view and the goodput both need it
-    rank0 = metrics.lines(run, 0) if rank_lines is None else rank_lines.get(0, [])
-    steps = list(metrics.merge(rank0).values())
-    recent = [s for s in steps[-20:] if s["step_time"]]
-    step_time = statistics.median(s["step_time"] for s in recent) if recent else None
-    tps = [s["tokens_per_sec_per_device"] for s in steps[-20:] if s["tokens_per_sec_per_device"]]
-    started = next((e["t"] for e in events if e.get("event") == EV.RUN_SUBMITTED), None)
-    ended = events[-1]["t"] if events and state is not RunState.RUNNING else time.time()
-    current = steps[-1]["step"] if steps else None
-    done_steps = (current + 1) if current is not None else 0
-    eta = (total - done_steps) * step_time if state is RunState.RUNNING and step_time else None
-    final_loss = steps[-1]["loss"] if steps else None
+    period = config.checkpoint.period
     # A live run's open session ends now; a finished or stopped one ends at its last record.
     now = time.time() if state in (RunState.RUNNING, RunState.PENDING) else None
-    if placed is None:
-        placed = goodput.run_lines(run, events, rank0, every_rank=rank_lines)
-    lost = goodput.compute(events, placed,
-                           checkpoint_period=config.checkpoint.period, now=now)
-    table = attempts(events)
+    fast = _steps_from_digest(digest, fold, period) if digest is not None and rank_lines is None \
+        and placed is None else None
+    if fast is not None:
+        newest, recomputed_steps, steps_of = fast
+        lost = goodput.compute(fold.goodput, checkpoint_period=period, now=now, steps=steps_of)
+    else:
+        # read once: the merged view and the goodput both need it
+        rank0 = metrics.lines(run, 0) if rank_lines is None else rank_lines.get(0, [])
+        merged = list(metrics.merge(rank0).values())
+        newest, recomputed_steps = merged[-20:], sum(1 for s in merged if s["recomputed"])
+        if placed is None:
+            placed = goodput.run_lines(run, run.events() if events is None else events, rank0,
+                                       every_rank=rank_lines)
+        lost = goodput.compute(fold.goodput, placed, checkpoint_period=period, now=now)
+    if own_digest:
+        digest.save()
+    recent = [s for s in newest if s["step_time"]]
+    step_time = statistics.median(s["step_time"] for s in recent) if recent else None
+    tps = [s["tokens_per_sec_per_device"] for s in newest if s["tokens_per_sec_per_device"]]
+    started = fold.submitted_t
+    ended = fold.last["t"] if fold.last and state is not RunState.RUNNING else time.time()
+    current = newest[-1]["step"] if newest else None
+    done_steps = (current + 1) if current is not None else 0
+    eta = (total - done_steps) * step_time if state is RunState.RUNNING and step_time else None
+    final_loss = newest[-1]["loss"] if newest else None
+    table = fold.attempts()
     loss = run.load_outcome().get("loss") if run.outcome_file.is_file() else None
     if state is RunState.STOPPED:
         for row in table:  # its supervisor is gone: it is not running, whatever its processes do
@@ -134,21 +214,25 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         "step_time_seconds": step_time,
         "elapsed_seconds": round(ended - started, 1) if started else None,
         "eta_seconds": round(eta, 1) if eta is not None else None,
-        "recomputed_steps": sum(1 for s in steps if s["recomputed"]),
+        "recomputed_steps": recomputed_steps,
         "attempts": table,
-        "injections": [e.get("spec") for e in events if e.get("event") == EV.INJECT_FIRED],
+        "injections": list(fold.injections),
         "slurm": slurm,
         "goodput": lost.as_dict(top=3),
         "outcome": None if not isinstance(loss, dict) else
         {"loss_sha256": loss.get("sha256"), "first_step": loss.get("first_step"), "last_step": loss.get("last_step")},
-        "stragglers": straggler_events(events),
-        "disk_low": [{k: e.get(k) for k in ("attempt", "node", "fs", "path", "free_bytes", "fraction", "threshold")}
-                     for e in events if e.get("event") == EV.DISK_LOW],
-        "last_event": events[-1] if events else None,
+        "stragglers": list(fold.stragglers),
+        "disk_low": list(fold.disk_low),
+        "last_event": fold.last,
         "nodes": node_states(run, table[-1] if table else None, time.time(),
                              latest=None if rank_lines is None else
                              {rank: lines[-1] if lines else None for rank, lines in rank_lines.items()}),
     }
+
+
+def new_digest(run: RunDir) -> RunDigest:
+    """The run's digest for status: its events folded into a StatusFold."""
+    return RunDigest(run, StatusFold)
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
@@ -207,8 +291,10 @@ def render_goodput(g: dict[str, Any]) -> str:
 def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
     """`rkit run --wait`: print progress lines until the run reaches a final state and its job left the queue."""
     last = None
+    digest = new_digest(run)
     while True:
-        s = status(run)
+        s = status(run, digest=digest)
+        digest.save()
         line = f"{s['state']}: step {'-' if s['step'] is None else s['step'] + 1}/{s['total_steps']}, " \
                f"committed {s['last_committed_step']}, attempts {len(s['attempts'])}"
         if line != last:
@@ -295,7 +381,8 @@ def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callab
     from rich.console import Console
     from rich.live import Live
 
-    s = status(run)
+    digest = new_digest(run)
+    s = status(run, digest=digest)
     console = console or Console()
     with Live(render_watch(s, clock()), console=console, auto_refresh=False) as live:
         try:
@@ -305,7 +392,8 @@ def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callab
                 if RunState(s["state"]).is_final() and slurm_done:
                     break
                 sleep(interval)
-                s = status(run)
+                s = status(run, digest=digest)
+                digest.save()
         except KeyboardInterrupt:
             pass
     if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's

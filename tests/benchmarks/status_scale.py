@@ -1,5 +1,8 @@
 """How `rkit status --json` scales with a run's files (issue 12, item 6): a generated run directory with
-N metric lines per rank and E events, then the wall time and peak RSS of the command, median of --repeats.
+N metric lines per rank and E events, then the wall time, CPU time and peak RSS of the command, median of
+--repeats, in three cases: cold (no digest in the reader's cache: the first `rkit status` of a run on this
+account), warm (nothing new since the last call) and after 1,000 more steps and 100 more events were appended
+(a live run between two calls). Each case in its own child process; the cache is a temporary folder.
 
     python tests/benchmarks/status_scale.py --lines 1000000 --events 100000 --repeats 3
 """
@@ -8,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -59,15 +61,51 @@ def generate(path: Path, lines: int, events: int, ranks: int = 2) -> Path:
     return path
 
 
-def measure(run: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one `rkit status --json RUN` in a child process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def measure(run: Path, cache: Path) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and peak RSS (MiB) of one `rkit status --json RUN` in a child process."""
+    import os
+
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "rkit.cli", "status", "--json", str(run)], check=True,
-                   capture_output=True)
+    done = subprocess.run([sys.executable, "-c", CHILD, str(run)], check=True, capture_output=True, text=True,
+                          env={**os.environ, "RKIT_STATUS_CACHE": str(cache)})
     wall = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, max(peak, before) / 1024
+    cpu, peak = json.loads(done.stdout.strip().splitlines()[-1])
+    return wall, cpu, peak / 1024
+
+
+# The command in a child that reports its own CPU time and peak RSS (a getrusage of the children would keep the
+# largest child's peak: the cold call's).
+CHILD = """
+import json, resource, sys, io, contextlib
+from rkit.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    main(["status", "--json", sys.argv[1]], standalone_mode=False)
+u = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps([u.ru_utime + u.ru_stime, u.ru_maxrss]))
+"""
+
+
+def append(run: Path, steps: int, events: int) -> None:
+    """A live run between two calls: `steps` more steps on every rank, `events` more events."""
+    with open(run / "events.jsonl") as fh:
+        last = json.loads(fh.readlines()[-1])
+    with open(run / "events.jsonl", "a") as fh:
+        for i in range(events):
+            fh.write(json.dumps({"t": last["t"] + i, "event": "agent.started", "attempt": last.get("attempt"),
+                                 "rank": i % 2}) + "\n")
+    for rank_file in sorted((run / "metrics").glob("*.jsonl")):
+        with open(rank_file) as fh:
+            tail = json.loads(fh.readlines()[-1])
+        with open(rank_file, "a") as fh:
+            for i in range(1, steps + 1):
+                fh.write(json.dumps({**tail, "step": tail["step"] + i, "t": tail["t"] + i * 0.1}) + "\n")
+
+
+def summary(samples: list[tuple[float, float, float]]) -> str:
+    walls = [w for w, _, _ in samples]
+    return (f"median {statistics.median(walls):.2f} s (min {min(walls):.2f}, max {max(walls):.2f}), CPU "
+            f"{statistics.median(c for _, c, _ in samples):.2f} s, peak RSS {max(m for _, _, m in samples):.0f} MiB")
 
 
 def main() -> None:
@@ -76,15 +114,20 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    cases: dict[str, list[tuple[float, float, float]]] = {"cold": [], "warm": [], "appended": []}
     with tempfile.TemporaryDirectory() as tmp:
         made = time.perf_counter()
         run = generate(Path(tmp) / "big", args.lines, args.events)
         print(f"generated {args.lines} metric lines x 2 ranks, {args.events} events in "
               f"{time.perf_counter() - made:.1f} s")
-        samples = [measure(run) for _ in range(args.repeats)]
-    walls = [w for w, _ in samples]
-    print(f"rkit status --json: median {statistics.median(walls):.2f} s (min {min(walls):.2f}, max {max(walls):.2f}),"
-          f" peak RSS {max(m for _, m in samples):.0f} MiB, {args.repeats} repeats")
+        for i in range(args.repeats):
+            cache = Path(tmp) / f"cache{i}"
+            cases["cold"].append(measure(run, cache))
+            cases["warm"].append(measure(run, cache))
+            append(run, 1000, 100)
+            cases["appended"].append(measure(run, cache))
+    for case, samples in cases.items():
+        print(f"rkit status --json, {case}: {summary(samples)}, {args.repeats} repeats")
 
 
 if __name__ == "__main__":

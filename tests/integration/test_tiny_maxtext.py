@@ -27,7 +27,18 @@ pytestmark = [pytest.mark.maxtext, pytest.mark.slow]
 # 30 steps, a checkpoint every 10: faults land after the first committed checkpoint.
 SHORT = ["-o", "trainer.steps=30", "-o", "checkpoint.period=10"]
 SECRET = "s3cr3t-value-never-recorded"
-ENV = {"JAX_API_KEY": SECRET, "HF_TOKEN": SECRET, "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+# A dozen planted secrets, each its own value: by name (captured prefixes and others) and by value (a URL's
+# password, a private key block under a harmless name). None may land anywhere in the run directory.
+SECRETS = {"JAX_API_KEY": SECRET, "HF_TOKEN": "hf_planted0001", "SLURM_JWT": "jwt-planted-0002",
+           "NCCL_IB_PASSWD": "passwd-planted-0003", "CUDA_AUTH_TOKEN": "auth-planted-0004",
+           "AWS_SECRET_ACCESS_KEY": "aws-planted-0005", "GITHUB_PAT": "ghp_planted0006",
+           "SLURM_DB_CREDENTIALS": "cred-planted-0007", "XLA_SESSION": "session-planted-0008",
+           "JAX_COOKIE": "cookie-planted-0009", "NCCL_DB_URL": "postgres://u:pw-planted-0010@db.example:5432/x",
+           "XLA_PEM_TEXT": "-----BEGIN OPENSSH PRIVATE KEY-----\nkey-planted-0011\n-----END OPENSSH PRIVATE KEY-----",
+           "HIP_PRIVATE_KEY": "private-planted-0012"}
+PLANTED = [v for v in SECRETS.values() if "://" not in v and "BEGIN" not in v] + ["pw-planted-0010",
+                                                                                  "key-planted-0011"]
+ENV = {**SECRETS, "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
 
 
 @pytest.fixture(scope="session")
@@ -96,10 +107,14 @@ def test_uninterrupted_run_is_stamped_and_finished(baseline: RunDir):
     assert outcome["step_time"]["n"] == 30 - outcome["warmup_steps_excluded"] and outcome["step_time"]["median"] > 0
     assert outcome["checkpoint_save_seconds"]["n"] >= 4 and outcome["time_to_first_step_seconds"] > 0
     assert outcome["loss"]["sha256"] in rkit("status", str(baseline.path), check=0).stdout
-    # Secrets from the environment land nowhere in the run directory: manifests, events, logs.
-    for path in baseline.path.rglob("*"):
-        if path.is_file() and path.stat().st_size < 50_000_000:
-            assert SECRET.encode() not in path.read_bytes(), path
+    # Secrets from the environment land nowhere in the run directory: manifests, events, logs, metrics.
+    assert env["environment"]["NCCL_DB_URL"] == "postgres://u:<redacted>@db.example:5432/x"
+    files = [path for path in baseline.path.rglob("*") if path.is_file() and path.stat().st_size < 50_000_000]
+    assert len(files) > 20 and any(p.name == "rank-0.log" for p in files)
+    for path in files:
+        data = path.read_bytes()
+        for value in PLANTED:
+            assert value.encode() not in data, (path, value)
 
 
 def test_rerun_of_a_finished_run_is_reported_done(workspace: Path, baseline: RunDir):

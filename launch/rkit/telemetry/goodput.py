@@ -35,7 +35,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..rundir import EV, RunDir
@@ -175,32 +175,60 @@ def place_lines(events: list[dict], lines: Iterable[dict[str, Any]]) -> list[dic
     return out
 
 
-def compute(events: list[dict], lines: list[dict[str, Any]], *, checkpoint_period: int | None = None,
-            now: float | None = None) -> Goodput:
-    """Goodput from events and placed metrics lines (place_lines); pure, so tests give it synthetic runs."""
-    records = [e["t"] for e in events if isinstance(e.get("t"), (int, float))]
-    records += [line["t"] for line in lines if isinstance(line.get("t"), (int, float))]
-    sessions, live = _sessions(events, now, max(records, default=None))
-    attempts = _attempts(events, lines)
-    intervals: list[tuple[float, float, str]] = []
-    steps_shares: list[dict[str, float]] = []
+@dataclass(frozen=True)
+class AttemptSteps:
+    """What goodput needs of one attempt's metrics lines: on its reference rank (_reference_lines) the first
+    line's time, the newest real (not estimated) time and the split of its step times (_step_shares); over
+    every rank, the newest time. `attempt_steps` makes it from placed lines, `rkit.digest` from its columns."""
+
+    first_t: float | None
+    last_timed_t: float | None
+    shares: dict[str, float]
+    newest_t: float | None
+
+
+def attempt_steps(lines: Iterable[dict[str, Any]], checkpoint_period: int | None) -> dict[int, AttemptSteps]:
+    """AttemptSteps of every attempt that placed lines (place_lines) name."""
     by_attempt: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for line in lines:
         by_attempt[line["attempt"]].append(line)
+    out: dict[int, AttemptSteps] = {}
+    for number, group in by_attempt.items():
+        ref = _reference_lines(group)
+        timed = [x["t"] for x in ref if x.get("t") is not None and not x.get("t_estimated")]
+        out[number] = AttemptSteps(
+            first_t=next((x["t"] for x in ref if x.get("t")), None), last_timed_t=max(timed) if timed else None,
+            shares=_step_shares(ref, checkpoint_period),
+            newest_t=max((x["t"] for x in group if isinstance(x.get("t"), (int, float))), default=None))
+    return out
+
+
+def compute(events: Iterable[dict] | EventFold, lines: list[dict[str, Any]] | None = None, *,
+            checkpoint_period: int | None = None, now: float | None = None,
+            steps: dict[int, AttemptSteps] | None = None) -> Goodput:
+    """Goodput from the events (or their EventFold) and placed metrics lines (place_lines), or their `steps`
+    (attempt_steps) when the caller has them; pure, so tests give it synthetic runs."""
+    fold = events if isinstance(events, EventFold) else EventFold.of(events)
+    steps = attempt_steps(lines or [], checkpoint_period) if steps is None else steps
+    records = [s.newest_t for s in steps.values() if s.newest_t is not None]
+    records += [fold.newest_t] if fold.newest_t is not None else []
+    sessions, live = fold.sessions(now, max(records, default=None))
+    attempts = fold.attempt_list(steps)
+    intervals: list[tuple[float, float, str]] = []
+    steps_shares: list[dict[str, float]] = []
     for index, a in enumerate(attempts):
         is_live = live and index == len(attempts) - 1 and a.ended is None
         end = a.ended if a.ended is not None else (now if is_live else max(a.last_seen or a.started, a.started))
-        ref = _reference_lines(by_attempt.get(a.number, []))
-        first = a.first_step if a.first_step is not None else next((x["t"] for x in ref if x.get("t")), None)
+        mine = steps.get(a.number)
+        first = a.first_step if a.first_step is not None else (mine.first_t if mine else None)
         if first is None:
             intervals.append((a.started, a.failed if a.failed is not None else end, "startup"))
             if a.ended is not None and a.failed is not None:
                 intervals.append((a.failed, end, "teardown"))
         else:
             first = min(max(first, a.started), end)
-            shares = _step_shares(ref, checkpoint_period)
-            timed = [x["t"] for x in ref if x.get("t") is not None and not x.get("t_estimated")]
-            last = max(timed) if timed else first + sum(shares.values())
+            shares = dict(mine.shares) if mine else {"productive": 0.0, "checkpoint": 0.0, "recompute": 0.0}
+            last = mine.last_timed_t if mine and mine.last_timed_t is not None else first + sum(shares.values())
             last = min(max(last, first), end)
             intervals.append((a.started, first, "startup"))
             shares["other"] = max(0.0, (last - first) - sum(shares.values()))
@@ -209,7 +237,7 @@ def compute(events: list[dict], lines: list[dict[str, Any]], *, checkpoint_perio
             if a.ended is not None:
                 intervals.append((last, end, "shutdown" if a.cause == "completed" else "teardown"))
         intervals.extend((max(t - silent, a.started), t, "hang") for t, silent in a.hangs)
-    intervals.extend(_queue_intervals(events))
+    intervals.extend(fold.queue_intervals())
     covered, other, wall = _paint(intervals, sessions)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     seconds["other"] += other
@@ -226,56 +254,93 @@ def compute(events: list[dict], lines: list[dict[str, Any]], *, checkpoint_perio
     return Goodput(wall_seconds=wall, seconds=seconds, in_progress=live)
 
 
-def _sessions(events: list[dict], now: float | None, last_record: float | None) -> tuple[list[tuple[float, float]],
-                                                                                         bool]:
-    spans: list[tuple[float, float]] = []
-    start: float | None = None
-    for e in events:
+@dataclass
+class EventFold:
+    """What goodput reads of the events, folded in one event at a time (`feed`), so that a reader that keeps one
+    (rkit.digest, for `rkit status`) feeds it only the events appended since: the sessions, the attempts, the
+    queue and requeue waits and the newest time. Events without a numeric `t` count for none of them."""
+
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    start: float | None = None  # the open session's
+    attempts: dict[int, _Attempt] = field(default_factory=dict)
+    waits: list[tuple[float, float, str]] = field(default_factory=list)
+    waiting: tuple[float, str] | None = None
+    previous_t: float | None = None
+    newest_t: float | None = None
+
+    @classmethod
+    def of(cls, events: Iterable[dict]) -> EventFold:
+        fold = cls()
+        for e in events:
+            fold.feed(e)
+        return fold
+
+    def feed(self, e: dict) -> None:
         kind, t = e.get("event"), e.get("t")
         if not isinstance(t, (int, float)):
-            continue
+            return
+        self.newest_t = t if self.newest_t is None else max(self.newest_t, t)
+        # sessions
         if kind in SESSION_START:
-            if start is not None:  # the previous supervisor died without a final word: its gap is lost time
-                spans.append((start, t))
-            start = t
-        elif kind in SESSION_END and start is not None:
-            spans.append((start, t))
-            start = None
-        elif start is None and not spans:  # a log without run.submitted (a partial copy): start at its first line
-            start = t
-    live = start is not None and now is not None
-    if start is not None:
-        end = now if now is not None else (last_record if last_record is not None else start)
-        spans.append((start, max(start, end)))
-    return spans, live
+            if self.start is not None:  # the previous supervisor died without a final word: its gap is lost time
+                self.spans.append((self.start, t))
+            self.start = t
+        elif kind in SESSION_END and self.start is not None:
+            self.spans.append((self.start, t))
+            self.start = None
+        elif self.start is None and not self.spans:  # a log without run.submitted (a partial copy): start here
+            self.start = t
+        # attempts
+        n = e.get("attempt")
+        if n is not None:
+            if kind == EV.ATTEMPT_STARTED:
+                self.attempts[n] = _Attempt(number=n, started=t, last_seen=t)
+            elif (a := self.attempts.get(n)) is not None:
+                a.last_seen = max(a.last_seen or t, t)
+                if kind == EV.ATTEMPT_FIRST_STEP and a.first_step is None:
+                    a.first_step = t
+                elif kind == EV.ATTEMPT_FAILED and a.failed is None:
+                    a.failed = t
+                elif kind == EV.ATTEMPT_ENDED:
+                    a.ended, a.cause = t, e.get("cause")
+                elif kind == EV.ATTEMPT_HANG:
+                    a.hangs.append((t, float(e.get("seconds_silent") or 0.0)))
+        # queue and requeue waits
+        if kind == EV.JOB_SUBMITTED:
+            self.waiting = (t, "queue")
+        elif kind == EV.JOB_REQUEUED:
+            self.waiting = (t, "requeue")
+        elif kind == EV.JOB_STARTED:
+            if self.waiting is not None:
+                self.waits.append((self.waiting[0], t, self.waiting[1]))
+            elif (e.get("restart_count") or 0) > 0 and self.previous_t is not None:
+                self.waits.append((self.previous_t, t, "requeue"))  # Slurm requeued the job itself: no event said so
+            self.waiting = None
+        self.previous_t = t
 
+    def sessions(self, now: float | None, last_record: float | None) -> tuple[list[tuple[float, float]], bool]:
+        """The sessions' spans, the open one ending `now` (a live run) or at the last record; and whether live."""
+        spans = list(self.spans)
+        live = self.start is not None and now is not None
+        if self.start is not None:
+            end = now if now is not None else (last_record if last_record is not None else self.start)
+            spans.append((self.start, max(self.start, end)))
+        return spans, live
 
-def _attempts(events: list[dict], lines: list[dict[str, Any]]) -> list[_Attempt]:
-    table: dict[int, _Attempt] = {}
-    for e in events:
-        n, t, kind = e.get("attempt"), e.get("t"), e.get("event")
-        if n is None or not isinstance(t, (int, float)):
-            continue
-        if kind == EV.ATTEMPT_STARTED:
-            table[n] = _Attempt(number=n, started=t, last_seen=t)
-            continue
-        a = table.get(n)
-        if a is None:
-            continue
-        a.last_seen = max(a.last_seen or t, t)
-        if kind == EV.ATTEMPT_FIRST_STEP and a.first_step is None:
-            a.first_step = t
-        elif kind == EV.ATTEMPT_FAILED and a.failed is None:
-            a.failed = t
-        elif kind == EV.ATTEMPT_ENDED:
-            a.ended, a.cause = t, e.get("cause")
-        elif kind == EV.ATTEMPT_HANG:
-            a.hangs.append((t, float(e.get("seconds_silent") or 0.0)))
-    for line in lines:
-        a = table.get(line["attempt"])
-        if a is not None and line.get("t") is not None:
-            a.last_seen = max(a.last_seen or line["t"], line["t"])
-    return [table[n] for n in sorted(table)]
+    def attempt_list(self, steps: dict[int, AttemptSteps]) -> list[_Attempt]:
+        """The attempts by number (copies), last seen at their newest metrics line too."""
+        out = []
+        for number in sorted(self.attempts):
+            a = replace(self.attempts[number])
+            mine = steps.get(number)
+            if mine is not None and mine.newest_t is not None:
+                a.last_seen = max(a.last_seen or mine.newest_t, mine.newest_t)
+            out.append(a)
+        return out
+
+    def queue_intervals(self) -> list[tuple[float, float, str]]:
+        # still in the queue: the session's end clips it
+        return self.waits + ([(self.waiting[0], float("inf"), self.waiting[1])] if self.waiting is not None else [])
 
 
 def _reference_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -316,30 +381,6 @@ def _near_save(step: int, period: int | None) -> bool:
     """A save at step s blocks the training loop after s is dispatched. MaxText's step_time shows it on s + 1;
     the rkit line of s - 1 is written after it (MaxText writes a step's line one step late); so s - 1, s, s + 1."""
     return bool(period) and period > 0 and any((step + k) % period == 0 for k in (-1, 0, 1))
-
-
-def _queue_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
-    out: list[tuple[float, float, str]] = []
-    waiting: tuple[float, str] | None = None
-    previous_t: float | None = None
-    for e in events:
-        kind, t = e.get("event"), e.get("t")
-        if not isinstance(t, (int, float)):
-            continue
-        if kind == EV.JOB_SUBMITTED:
-            waiting = (t, "queue")
-        elif kind == EV.JOB_REQUEUED:
-            waiting = (t, "requeue")
-        elif kind == EV.JOB_STARTED:
-            if waiting is not None:
-                out.append((waiting[0], t, waiting[1]))
-            elif (e.get("restart_count") or 0) > 0 and previous_t is not None:
-                out.append((previous_t, t, "requeue"))  # Slurm requeued the job itself: no event said so
-            waiting = None
-        previous_t = t
-    if waiting is not None:  # still in the queue: the session's end clips it
-        out.append((waiting[0], float("inf"), waiting[1]))
-    return out
 
 
 def _paint(intervals: list[tuple[float, float, str]], sessions: list[tuple[float, float]]

@@ -1,0 +1,132 @@
+"""rkit.digest: `rkit status` reads a run's events and rank 0's metrics incrementally, and says exactly what a
+full read says: on synthetic runs with restarts, after appends, after a rewrite, with MaxText's raw lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from rkit import status as run_status
+from rkit.digest import RunDigest
+from rkit.rundir import RunDir
+
+from .synthetic_run import write_run
+
+T0 = 1_000_000.0
+
+
+def full_read(run: RunDir) -> dict:
+    """status as it was before digests: every event and every metrics line read whole."""
+    return run_status.status(run, events=run.events())
+
+
+def comparable(s: dict) -> dict:
+    return {k: v for k, v in s.items() if k not in ("nodes",)}  # node ages are measured against now
+
+
+def restarts(path: Path, attempts: int, steps: int, *, start_attempt: int = 1, period: int = 7) -> None:
+    """Append `attempts` attempts of `steps` lines each to a run with two ranks; every attempt after the first
+    resumes 3 steps back (recomputed steps), a save every `period` steps costs 2 s."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics").mkdir(exist_ok=True)
+    (path / "attempts").mkdir(exist_ok=True)
+    if not (path / "resolved.json").exists():
+        (path / "resolved.json").write_text(json.dumps({
+            "name": path.name, "launcher": "local", "trainer": {"steps": 10 ** 6},
+            "resources": {"nodes": 1, "processes_per_node": 2}, "checkpoint": {"period": period}}))
+        (path / "manifest.json").write_text(json.dumps({"config_hash": "sha256:" + "ab" * 32}))
+        with open(path / "events.jsonl", "a") as fh:
+            fh.write(json.dumps({"t": T0, "event": "run.submitted"}) + "\n")
+    with open(path / "events.jsonl", "a") as ev, open(path / "metrics" / "0.jsonl", "a") as m0, \
+            open(path / "metrics" / "1.jsonl", "a") as m1:
+        for a in range(start_attempt, start_attempt + attempts):
+            first = max(0, (a - 1) * (steps - 3))
+            t = T0 + a * 1000.0
+            ev.write(json.dumps({"t": t, "event": "attempt.started", "attempt": a, "resume_from_step": first,
+                                 "nodes": ["vm"]}) + "\n")
+            ev.write(json.dumps({"t": t + 5, "event": "attempt.first_step", "attempt": a, "rank": 0,
+                                 "step": first, "seconds_since_start": 5}) + "\n")
+            for i, step in enumerate(range(first, first + steps)):
+                t += 2.0 if step % period == 0 else 0.5 + 0.01 * (step % 3)
+                for rank, fh in ((0, m0), (1, m1)):
+                    fh.write(json.dumps({"t": t + 5, "attempt": a, "rank": rank, "node": "vm", "step": step,
+                                         "loss": 5.0 - step * 1e-3, "step_time": 0.5,
+                                         "tokens_per_sec_per_device": 640.0 + i}) + "\n")
+            if a % 3 == 0:
+                ev.write(json.dumps({"t": t + 6, "event": "attempt.hang", "attempt": a, "seconds_silent": 4.0})
+                         + "\n")
+            ev.write(json.dumps({"t": t + 7, "event": "attempt.ended", "attempt": a, "cause": "task_exit",
+                                 "committed_step": first + steps - 3, "decision": "restart"}) + "\n")
+
+
+def test_the_digest_says_what_a_full_read_says_before_and_after_appends(tmp_path: Path, status_cache: Path):
+    run = RunDir(tmp_path / "run")
+    restarts(run.path, attempts=5, steps=40)
+    assert comparable(run_status.status(run)) == comparable(full_read(run))
+    saved = RunDigest(run, run_status.StatusFold)  # what the next `rkit status` starts from
+    assert saved.metrics_digest.mark.offset == run.metrics_file(0).stat().st_size
+    assert saved.events_digest.mark.offset == run.events_file.stat().st_size
+    restarts(run.path, attempts=3, steps=25, start_attempt=6)  # the run went on
+    with open(run.events_file, "a") as fh:  # a line still being written waits for its newline
+        fh.write('{"t": 1e6, "event": "attempt.sta')
+    assert comparable(run_status.status(run)) == comparable(full_read(run))
+    assert len(full_read(run)["attempts"]) == 8 and full_read(run)["recomputed_steps"] > 0
+
+
+def test_a_live_view_keeps_one_digest_and_reads_only_what_was_appended(tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    restarts(run.path, attempts=2, steps=30)
+    digest = run_status.new_digest(run)
+    first = run_status.status(run, digest=digest)
+    offset = digest.metrics_digest.mark.offset
+    restarts(run.path, attempts=1, steps=10, start_attempt=3)
+    again = run_status.status(run, digest=digest)
+    assert digest.metrics_digest.mark.offset > offset and len(again["attempts"]) == len(first["attempts"]) + 1
+    assert comparable(again) == comparable(full_read(run))
+
+
+@pytest.mark.parametrize("how", ["rewritten", "truncated", "replaced"])
+def test_a_rewritten_truncated_or_replaced_file_is_read_again_from_its_start(tmp_path: Path, how: str):
+    run = RunDir(tmp_path / "run")
+    restarts(run.path, attempts=3, steps=30)
+    run_status.status(run)  # the cache now knows these files
+    path = run.metrics_file(0)
+    text = path.read_text()
+    if how == "rewritten":  # same inode, same length, other losses
+        path.write_text(text.replace('"loss": 4.9', '"loss": 3.9'))
+    elif how == "truncated":
+        path.write_text(text[: len(text) // 3].rsplit("\n", 1)[0] + "\n")
+    else:
+        (run.path / "new").write_text(text.replace('"loss": 4.9', '"loss": 2.9') + text)
+        os.replace(run.path / "new", path)
+    assert comparable(run_status.status(run)) == comparable(full_read(run))
+
+
+def test_maxtext_raw_lines_and_a_hand_written_last_line_read_as_before(tmp_path: Path):
+    run = RunDir(write_run(tmp_path / "run"))
+    raw = [{"step": s, "learning/loss": 6.0 - s * 0.1, "perf/step_time_seconds": 1.0} for s in range(15)]
+    run.metrics_file(0).write_text("\n".join(json.dumps(x) for x in raw))  # no newline after the last
+    s = run_status.status(run)
+    assert s["step"] == 14 and comparable(s) == comparable(full_read(run))
+
+
+def test_the_cache_is_private_and_a_folder_others_can_write_is_not_used(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("RKIT_STATUS_CACHE", str(tmp_path / "cache"))
+    run = RunDir(tmp_path / "run")
+    restarts(run.path, attempts=2, steps=30)
+    run_status.status(run)
+    (folder,) = (tmp_path / "cache").iterdir()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert sorted(p.name for p in folder.iterdir()) == ["events.pickle", "metrics-0.npz"]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in folder.iterdir())
+    folder.chmod(0o777)  # anyone could have planted a pickle there: it is not read, nothing is written
+    before = {p: p.stat().st_mtime_ns for p in folder.iterdir()}
+    digest = RunDigest(run, run_status.StatusFold)
+    assert digest.events_digest.mark.offset == 0 and digest.metrics_digest.mark.offset == 0
+    restarts(run.path, attempts=1, steps=10, start_attempt=3)
+    assert comparable(run_status.status(run)) == comparable(full_read(run))
+    assert {p: p.stat().st_mtime_ns for p in folder.iterdir()} == before
