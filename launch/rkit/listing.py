@@ -1,6 +1,7 @@
 """`rkit ls [RUNS_DIR]`: one line per run directory found there: name, state, step/total, loss, config hash and
-image digest prefixes, launcher, Slurm job id, age. Reads little per run (the events, the newest metrics line,
-the checkpoint directory), so a directory of many long runs lists fast; `rkit status RUN` tells the rest."""
+image digest prefixes, launcher, Slurm job id, age. Reads little per run (the events through status's digest:
+only what was appended since the last read; the newest metrics line; the checkpoint directory), so a directory
+of many long runs lists fast; `rkit status RUN` tells the rest."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from .errors import RkitError
 from .rundir import RunDir, last_jsonl
-from .status import run_state, slurm_info
+from .status import new_digest, run_state, slurm_info
 from .trainers import maxtext
 
 
@@ -34,7 +35,9 @@ def row(run: RunDir, now: float | None = None) -> dict[str, Any]:
     try:
         config = run.config()
         stamp = run.load_manifest()
-        events = run.events()
+        digest = new_digest(run)
+        events = digest.fold()
+        digest.save()
     except RkitError as exc:
         return {"name": run.name, "path": str(run.path), "state": "unreadable", "reason": str(exc)}
     slurm = slurm_info(events) if config.launcher == "slurm" else None
@@ -48,7 +51,7 @@ def row(run: RunDir, now: float | None = None) -> dict[str, Any]:
         "step": last.get("step"), "total_steps": int(config.trainer.steps), "last_committed_step": committed,
         "loss": last.get("loss"), "config_hash": stamp.get("config_hash"), "image_sha256": image,
         "launcher": config.launcher, "job_id": slurm["job_id"] if slurm else None,
-        "age_seconds": round(now - events[-1]["t"], 1) if events and "t" in events[-1] else None,
+        "age_seconds": round(now - events.last["t"], 1) if events.last and "t" in events.last else None,
     }
 
 
