@@ -272,7 +272,7 @@ def labels(path: Path) -> dict[str, str]:
 
 def image_info(path: Path) -> dict[str, Any]:
     """/etc/rkit/image.json from inside the image."""
-    return _apptainer_json("exec", "--cleanenv", str(path), "cat", "/etc/rkit/image.json")
+    return _apptainer_json("exec", "--cleanenv", "--no-home", str(path), "cat", "/etc/rkit/image.json")
 
 
 def _require_file(path: Path) -> Path:

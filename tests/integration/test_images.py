@@ -102,7 +102,7 @@ def test_run_inside_the_image_survives_a_kill(image_run: RunDir, image_workspace
             assert env["packages"] == image_packages and "pytest" not in env["packages"]
             assert env["jax"]["process_count"] == 2
     argv = json.loads((image_run.attempt_dir(1) / "attempt.json").read_text())["launch"]["ranks"][0]["argv"]
-    assert argv[1:3] == ["exec", "--cleanenv"] and str(sif.resolve()) in argv
+    assert argv[1:4] == ["exec", "--cleanenv", "--no-home"] and str(sif.resolve()) in argv
 
 
 def test_reproduce_then_diff_shows_only_what_must_differ(image_run: RunDir, image_workspace: Path):

@@ -138,3 +138,18 @@ def test_the_coordinator_port_is_checked_free_where_it_can_be():
             probe.bind(("127.0.0.1", other))
         # An address of another host cannot be checked from here: the hashed port, as before.
         assert free_coordinator_port("192.0.2.1", "77", 3) == first
+
+
+def test_every_apptainer_exec_leaves_the_home_out(tmp_path: Path, monkeypatch):
+    from rkit.backends.local import Container
+    from rkit.backends.slurm import SlurmStepBackend
+
+    local = Container(apptainer="apptainer", sif="/images/x.sif", binds=("/runs/r",)).wrap(["-m", "rkit.agent"])
+    assert local[:4] == ["apptainer", "exec", "--cleanenv", "--no-home"]
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)  # the step runs on this host
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    step = SlurmStepBackend(nodes_per_step=1, tasks_per_node=1, container_launch="apptainer", sif="/images/x.sif",
+                            binds=("/runs/r",)).prepare(attempt=1, processes=1, trainer_args=["steps=5"], base_env={},
+                                                       attempt_dir=tmp_path, cwd=tmp_path, port=12345, host_env={})
+    at = step.argv.index("apptainer")
+    assert step.argv[at:at + 3] == ["apptainer", "exec", "--no-home"] and "/images/x.sif" in step.argv

@@ -65,7 +65,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class Container:
-    """Run each rank inside an Apptainer image: `apptainer exec --cleanenv [--nv|--rocm] --bind ... SIF python`."""
+    """Run each rank inside an Apptainer image: `apptainer exec --cleanenv --no-home [--nv|--rocm] --bind ... SIF
+    python` (the user's home stays out: nothing in it is the run's, and a shared cluster's home holds credentials)."""
 
     apptainer: str
     sif: str
@@ -75,7 +76,8 @@ class Container:
 
     def wrap(self, argv: list[str]) -> list[str]:
         binds = [arg for path in self.binds for arg in ("--bind", path)]
-        return [self.apptainer, "exec", "--cleanenv", *self.gpu_flags, *binds, self.sif, self.python, *argv]
+        return [self.apptainer, "exec", "--cleanenv", "--no-home", *self.gpu_flags, *binds, self.sif, self.python,
+                *argv]
 
     @staticmethod
     def wrap_env(host_env: dict[str, str], process_env: dict[str, str]) -> dict[str, str]:

@@ -307,7 +307,8 @@ class SlurmStepBackend:
             # No --cleanenv here: each task's own SLURM_PROCID/SLURM_LOCALID must reach the container, and srun
             # sets them per task. What would break the image's Python is removed instead.
             binds = [arg for path in self.binds for arg in ("--bind", path)]
-            argv = [*srun, "apptainer", "exec", *self.gpu_flags, *binds, self.sif, "/opt/venv/bin/python", *agent]
+            argv = [*srun, "apptainer", "exec", "--no-home", *self.gpu_flags, *binds, self.sif, "/opt/venv/bin/python",
+                    *agent]
             for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
                 env.pop(name, None)
         return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes,
