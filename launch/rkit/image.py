@@ -42,13 +42,16 @@ def apptainer() -> str:
     return found
 
 
-_DIGESTS: dict[tuple, str] = {}  # (device, inode, size, mtime): an image is hashed once per command, not per check
+# (device, inode, size, mtime, ctime): an image is hashed once per command, not per check. The ctime is in the key
+# because anyone who can write the file can set its mtime back (touch -d), but only the kernel sets its ctime:
+# a SIF rewritten in place between two attempts is hashed again, and refused.
+_DIGESTS: dict[tuple, str] = {}
 
 
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as fh:
         st = os.fstat(fh.fileno())
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if key in _DIGESTS:
             return _DIGESTS[key]
         digest = hashlib.sha256()

@@ -157,6 +157,28 @@ def test_a_cached_image_is_used_only_while_its_digest_is_the_recorded_one(tmp_pa
         image.resolve_flavor("cpu", want_sha256=digest)
 
 
+def test_an_image_rewritten_in_place_with_its_old_mtime_is_refused_before_the_next_attempt(tmp_path):
+    import os
+
+    from rkit import image
+
+    sif = tmp_path / "x.sif"
+    sif.write_bytes(b"image one")
+    identity = image.ImageIdentity(reference=str(sif), path=str(sif), sha256=image.sha256_file(sif), flavor=None)
+    identity.check_unchanged()  # the stamped image: passes (from the command's memo)
+    before = sif.stat()
+    for _ in range(100_000):  # same inode, same size, other bytes, the mtime set back; until the kernel's coarse
+        with open(sif, "r+b") as fh:  # clock has moved on, so that the ctime differs (as it would on any later day)
+            fh.write(b"IMAGE")
+        os.utime(sif, ns=(before.st_atime_ns, before.st_mtime_ns))
+        if sif.stat().st_ctime_ns != before.st_ctime_ns:
+            break
+    after = sif.stat()
+    assert (after.st_mtime_ns, after.st_ino, after.st_size) == (before.st_mtime_ns, before.st_ino, before.st_size)
+    with pytest.raises(RkitError, match="image digest mismatch"):
+        identity.check_unchanged()
+
+
 def test_an_empty_cache_names_the_build_command(tmp_path, monkeypatch):
     from rkit import image
 
