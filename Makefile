@@ -95,4 +95,5 @@ bench: setup
 	$(PY) tests/benchmarks/hang_detection.py --repeats 3
 	$(PY) tests/benchmarks/telemetry_overhead.py --repeats 3
 	$(PY) tests/benchmarks/status_scale.py --repeats 3
+	$(PY) tests/benchmarks/supervisor_scale.py --ranks 512 --seconds 60
 	$(PY) tests/benchmarks/gate_noise.py --pairs 10 --repeats 2

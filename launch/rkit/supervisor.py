@@ -432,6 +432,8 @@ class AttemptWatch:
     def read(self) -> None:
         sup, progress = self.sup, self.progress
         for rank, tail in self.tails.items():
+            if not grew(tail):  # one stat instead of open, read and close: 512 ranks are polled 10 times a second
+                continue
             for m in tail.poll():
                 self.hang.progress(rank, m.step, m.step_time, sup.clock())
                 self.stragglers.add(m)
@@ -449,6 +451,14 @@ class AttemptWatch:
 
     def last_steps(self) -> dict[int, int | None]:
         return {rank: tail.last.step if tail.last else None for rank, tail in self.tails.items()}
+
+
+def grew(tail: MetricsTail) -> bool:
+    """The file's size is not where the tail stopped reading (it grew, or was truncated or removed)."""
+    try:
+        return os.stat(tail.path).st_size != tail.offset
+    except FileNotFoundError:
+        return tail.offset != 0
 
 
 def default_jax_cache_dir() -> str:
