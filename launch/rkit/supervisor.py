@@ -15,12 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import devices
+from . import devices, preflight
 from . import outcome as run_outcome
 from .attemptrecord import close_record, refuse_if_alive, started_at
 from .backends.base import Backend, Handle, NotEnoughNodes, RankExit, Request
 from .config import Config
-from .errors import RkitError
 from .image import ImageIdentity
 from .inject import Injection, pending
 from .policy import (
@@ -126,8 +125,9 @@ class Supervisor:
             close_record(self.run, lost[0], lost[1])
             if decision.action is Action.GIVE_UP:
                 return self._final(EV.RUN_GAVE_UP, reason=decision.reason, committed_step=lost[1].committed_after)
+        preflight.shared_paths(self.run, self.backend, self.image, self.next_attempt_number())
         while True:
-            self.check_image()
+            preflight.image_unchanged(self.run, self.image, self.next_attempt_number())
             outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
             final = self.final_committed()
             decision, tally = decide(tally, outcome, budgets, final)
@@ -166,17 +166,6 @@ class Supervisor:
         return attempt, Outcome(Cause.LOST, started[-1].get("resume_from_step"),
                                 maxtext.latest_committed_step(self.run),
                                 f"attempt {attempt} ended with its supervisor ({how})")
-
-    def check_image(self) -> None:
-        """The SIF must be the one the run was stamped with: never silently run different software."""
-        if self.image is None:
-            return
-        try:
-            self.image.check_unchanged()
-        except RkitError as exc:
-            self.run.emit(EV.RUN_GAVE_UP, reason=f"image check failed before attempt "
-                                                f"{self.next_attempt_number()}: {exc}")
-            raise
 
     def run_attempt(self, progress: Progress, injections: list[Injection]) -> Outcome:
         """Start one attempt, watch it until `classify` says how it ends, end it that way, record it."""
@@ -432,7 +421,7 @@ class AttemptWatch:
     def read(self) -> None:
         sup, progress = self.sup, self.progress
         for rank, tail in self.tails.items():
-            if not grew(tail):  # one stat instead of open, read and close: 512 ranks are polled 10 times a second
+            if not preflight.grew(tail):  # one stat, not open, read and close: 512 ranks are polled 10 times a second
                 continue
             for m in tail.poll():
                 self.hang.progress(rank, m.step, m.step_time, sup.clock())
@@ -451,14 +440,6 @@ class AttemptWatch:
 
     def last_steps(self) -> dict[int, int | None]:
         return {rank: tail.last.step if tail.last else None for rank, tail in self.tails.items()}
-
-
-def grew(tail: MetricsTail) -> bool:
-    """The file's size is not where the tail stopped reading (it grew, or was truncated or removed)."""
-    try:
-        return os.stat(tail.path).st_size != tail.offset
-    except FileNotFoundError:
-        return tail.offset != 0
 
 
 def default_jax_cache_dir() -> str:

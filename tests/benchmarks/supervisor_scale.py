@@ -108,6 +108,9 @@ class GeneratorBackend:
     def healthy_nodes(self) -> list[str]:
         return []
 
+    def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
+        return {}, None
+
     def down_nodes(self, handle: GeneratedHandle) -> list[str]:
         return []
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,6 +122,23 @@ def test_reproduce_of_a_slurm_run_is_a_slurm_job_and_ends_with_the_verdict(clust
     assert again.load_manifest()["reproduced_from"]["config_hash"] == clean_run.load_manifest()["config_hash"]
     assert "steps 0-39: EXACT" in done.stdout and "verdict: the same outcome" in done.stdout
     assert again.load_outcome()["loss"]["sha256"] == clean_run.load_outcome()["loss"]["sha256"]
+
+
+def test_an_image_the_nodes_cannot_see_stops_the_run_before_any_attempt(cluster, slurm_workspace, cpu_image):
+    # /var/tmp of this machine is not bound into the test bed: the submitting host sees the copy, no node does.
+    hidden = Path(tempfile.mkdtemp(prefix="rkit-not-shared-", dir="/var/tmp"))
+    sif = hidden / "cpu.sif"
+    try:
+        shutil.copyfile(cpu_image, sif)
+        run = submit(cluster, slurm_workspace, "unshared", sif)
+        s = wait_finished(cluster, run)
+        assert s["state"] == "gave up" and s["attempts"] == [], s
+        assert s["reason"].startswith("shared file system check failed before attempt 1: ")
+        nodes = [e for e in run.events() if e["event"] == "job.started"][-1]["allocation"]
+        assert len(nodes) == 3 and all(f"{node} cannot see {sif}" in s["reason"] for node in nodes), s["reason"]
+        assert str(run.path.resolve()) not in s["reason"]  # every node sees the run directory
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)
 
 
 def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_image, clean_run: RunDir):

@@ -168,6 +168,10 @@ class FakeBackend:
     def healthy_nodes(self) -> list[str]:
         return [n for n in self.all_nodes if n not in self.exclude]
 
+    def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
+        blind = self.script.faults.get("unseen")  # (node, ...): nodes that see none of the paths
+        return {node: list(paths) for node in blind[0]} if blind else {}, None
+
     def down_nodes(self, handle: FakeHandle) -> list[str]:
         return []
 
@@ -306,6 +310,18 @@ def test_user_stop(tmp_path):
     outcome = attempt(sup)
     assert outcome.cause is Cause.INTERRUPTED and backend.stops == [3]
     assert events(sup.run, EV.STOP_REQUESTED)[0]["grace_seconds"] == 3
+
+
+def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_any_attempt(tmp_path):
+    from rkit.errors import RkitError
+
+    sup, backend = make(tmp_path, Script(unseen=(("n2",),)))
+    with pytest.raises(RkitError, match="n2 cannot see"):
+        sup.run_to_end()
+    assert sup.run.attempt_numbers() == []
+    (gave_up,) = events(sup.run, EV.RUN_GAVE_UP)
+    assert gave_up["reason"].startswith("shared file system check failed before attempt 1: n2 cannot see "
+                                        f"{sup.run.path.resolve()}")
 
 
 def test_run_to_end_resumes_after_each_failure_and_finishes(tmp_path):

@@ -153,3 +153,16 @@ def test_every_apptainer_exec_leaves_the_home_out(tmp_path: Path, monkeypatch):
                                                        attempt_dir=tmp_path, cwd=tmp_path, port=12345, host_env={})
     at = step.argv.index("apptainer")
     assert step.argv[at:at + 3] == ["apptainer", "exec", "--no-home"] and "/images/x.sif" in step.argv
+
+
+def test_the_shared_path_check_names_each_node_and_what_it_cannot_see():
+    from rkit.backends.shared_paths import check_argv, unseen
+
+    nodes, paths = ["n1", "n2", "n3"], ["/shared/runs/r", "/scratch/x.sif"]
+    argv = check_argv(nodes, paths)
+    assert argv[:2] == ["srun", "--nodes=3"] and "--label" in argv and argv[-3:] == ["--", *paths]
+    stdout = "0: /shared/runs/r\n0: /scratch/x.sif\n1: /shared/runs/r\n"
+    stderr = ("1: stat: cannot statx '/scratch/x.sif': No such file or directory\n"
+              "srun: error: n2: task 1: Exited with exit code 1\n")  # n3's task printed nothing: it never ran
+    assert unseen(nodes, paths, stdout, stderr) == {"n2": ["/scratch/x.sif"], "n3": paths}
+    assert unseen(nodes, paths, "".join(f"{i}: {p}\n" for i in range(3) for p in paths), "") == {}

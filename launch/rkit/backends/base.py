@@ -99,6 +99,11 @@ class Backend(Protocol):
         """Nodes a next attempt may use."""
         ...
 
+    def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
+        """Before the first attempt: {node: [paths it cannot see]} over the nodes an attempt may use, and why the
+        check could not be made (None when it was)."""
+        ...
+
     def down_nodes(self, handle: Any) -> list[str]:
         """Nodes of the attempt that the scheduler considers dead now."""
         ...

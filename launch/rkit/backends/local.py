@@ -188,6 +188,9 @@ class LocalBackend:
     def healthy_nodes(self) -> list[str]:
         return [socket.gethostname()]
 
+    def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
+        return {}, None  # one machine: the supervisor sees what its ranks see
+
     def down_nodes(self, handle: LocalAttempt) -> list[str]:
         return []  # this machine is up: it runs the supervisor
 

@@ -22,6 +22,7 @@ from ..config import Config
 from ..errors import RkitError
 from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
 from ..stamp import redact
+from . import shared_paths
 from .base import Handle, NotEnoughNodes, RankExit
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
@@ -280,6 +281,10 @@ class SlurmStepBackend:
 
     def healthy_nodes(self) -> list[str]:
         return [n for n in self.allocation() if n not in self.exclude]
+
+    def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
+        own = [self.python] if self.sif is None and os.path.isabs(self.python) else []  # the tasks' Python
+        return shared_paths.check(self.healthy_nodes(), [*paths, *own])
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,
