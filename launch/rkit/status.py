@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "
 
 
 @dataclass
-class StatusFold:
+class StatusFold(goodput.Fold):
     """What `rkit status` reads of the events, folded in one event at a time (`feed`): rkit.digest keeps one per
     run, so a call reads only the events appended since the last; `StatusFold.of(events)` for events in hand."""
 
@@ -40,13 +40,6 @@ class StatusFold:
     injections: list[Any] = field(default_factory=list)
     stragglers: list[dict] = field(default_factory=list)
     disk_low: list[dict] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, events: Iterable[dict]) -> StatusFold:
-        fold = cls()
-        for e in events:
-            fold.feed(e)
-        return fold
 
     def feed(self, e: dict) -> None:
         self.goodput.feed(e)

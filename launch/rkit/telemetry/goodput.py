@@ -254,8 +254,22 @@ def compute(events: Iterable[dict] | EventFold, lines: list[dict[str, Any]] | No
     return Goodput(wall_seconds=wall, seconds=seconds, in_progress=live)
 
 
+class Fold:
+    """Events fed in one at a time (`feed`); `of` feeds a whole list to a new one."""
+
+    def feed(self, e: dict) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def of(cls, events: Iterable[dict]) -> Any:
+        fold = cls()
+        for e in events:
+            fold.feed(e)
+        return fold
+
+
 @dataclass
-class EventFold:
+class EventFold(Fold):
     """What goodput reads of the events, folded in one event at a time (`feed`), so that a reader that keeps one
     (rkit.digest, for `rkit status`) feeds it only the events appended since: the sessions, the attempts, the
     queue and requeue waits and the newest time. Events without a numeric `t` count for none of them."""
@@ -267,13 +281,6 @@ class EventFold:
     waiting: tuple[float, str] | None = None
     previous_t: float | None = None
     newest_t: float | None = None
-
-    @classmethod
-    def of(cls, events: Iterable[dict]) -> EventFold:
-        fold = cls()
-        for e in events:
-            fold.feed(e)
-        return fold
 
     def feed(self, e: dict) -> None:
         kind, t = e.get("event"), e.get("t")
