@@ -122,10 +122,12 @@ def main() -> None:
               f"{time.perf_counter() - made:.1f} s")
         for i in range(args.repeats):
             cache = Path(tmp) / f"cache{i}"
-            cases["cold"].append(measure(run, cache))
-            cases["warm"].append(measure(run, cache))
-            append(run, 1000, 100)
-            cases["appended"].append(measure(run, cache))
+            for case in ("cold", "warm", "appended"):
+                if case == "appended":
+                    append(run, 1000, 100)
+                cases[case].append(measure(run, cache))
+                wall, cpu, peak = cases[case][-1]
+                print(f"  repeat {i + 1} {case}: {wall:.2f} s, CPU {cpu:.2f} s, peak RSS {peak:.0f} MiB", flush=True)
     for case, samples in cases.items():
         print(f"rkit status --json, {case}: {summary(samples)}, {args.repeats} repeats")
 
