@@ -124,21 +124,22 @@ def test_reproduce_of_a_slurm_run_is_a_slurm_job_and_ends_with_the_verdict(clust
     assert again.load_outcome()["loss"]["sha256"] == clean_run.load_outcome()["loss"]["sha256"]
 
 
-def test_an_image_the_nodes_cannot_see_stops_the_run_before_any_attempt(cluster, slurm_workspace, cpu_image):
-    # /var/tmp of this machine is not bound into the test bed: the submitting host sees the copy, no node does.
+def test_the_shared_path_check_names_each_node_that_cannot_see_a_path(cluster, monkeypatch):
+    # The check step the supervisor runs before a job's first attempt, on the real cluster: this checkout is bound
+    # into the test bed's nodes, a folder under this machine's /var/tmp is not. (The supervisor's side of it, the
+    # run stopped with run.gave_up before any attempt, is tested on the attempt loop's fake backend.)
+    from rkit.backends import shared_paths
+
+    monkeypatch.setenv("PATH", cluster["PATH"])
+    nodes = sorted(set(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True,
+                                      check=True).stdout.split()))
     hidden = Path(tempfile.mkdtemp(prefix="rkit-not-shared-", dir="/var/tmp"))
-    sif = hidden / "cpu.sif"
     try:
-        shutil.copyfile(cpu_image, sif)
-        run = submit(cluster, slurm_workspace, "unshared", sif)
-        s = wait_finished(cluster, run)
-        assert s["state"] == "gave up" and s["attempts"] == [], s
-        assert s["reason"].startswith("shared file system check failed before attempt 1: ")
-        nodes = [e for e in run.events() if e["event"] == "job.started"][-1]["allocation"]
-        assert len(nodes) == 3 and all(f"{node} cannot see {sif}" in s["reason"] for node in nodes), s["reason"]
-        assert str(run.path.resolve()) not in s["reason"]  # every node sees the run directory
+        found, why = shared_paths.check(nodes, [str(REPO), str(hidden)])
     finally:
         shutil.rmtree(hidden, ignore_errors=True)
+    assert why is None and len(nodes) == 3
+    assert found == {node: [str(hidden)] for node in nodes}
 
 
 def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_image, clean_run: RunDir):
