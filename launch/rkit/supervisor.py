@@ -388,6 +388,10 @@ class AttemptWatch:
         self.stragglers = StragglerWatch(sup.run, self.attempt, factor, sup.clock)
         # Its own clock: how often the logs are read is about I/O, not policy (a hang forces a read anyway).
         self.logs = LogScan([sup.run.rank_log(self.attempt, r) for r in self.tails], time.monotonic)
+        # Each poll stats every rank's metrics file; past 64 ranks the files are looked at every few polls (512
+        # ranks: every 0.8 s), exits still every poll. Metrics only feed the hang watch (timeouts of minutes),
+        # stragglers and progress.
+        self.scan_every, self.next_scan = sup.poll_seconds * max(1, len(self.tails) // 64), 0.0
 
     def disk_full(self, force: bool) -> str | None:
         """A rank's log line saying a write failed for space, with the checkpoints' file system; or, when a rank
@@ -420,8 +424,12 @@ class AttemptWatch:
 
     def read(self) -> None:
         sup, progress = self.sup, self.progress
-        for rank, tail in self.tails.items():
-            if not preflight.grew(tail):  # one stat, not open, read and close: 512 ranks are polled 10 times a second
+        now = time.monotonic()
+        scan = now >= self.next_scan
+        if scan:
+            self.next_scan = now + self.scan_every
+        for rank, tail in self.tails.items() if scan else ():
+            if not preflight.grew(tail):  # one stat, not open, read and close
                 continue
             for m in tail.poll():
                 self.hang.progress(rank, m.step, m.step_time, sup.clock())
