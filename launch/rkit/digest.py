@@ -187,7 +187,8 @@ class MetricsDigest(_Digest):
         new["recomputed"] = _seen_before(self.columns["step"], new["step"])
         for attempt in np.unique(new["attempt"]).tolist():
             self.summaries.pop(attempt, None)
-        self.columns = {k: np.concatenate([self.columns[k], new[k]]) for k in COLUMNS}
+        for k in COLUMNS:  # one column at a time: the old one is freed before the next is copied
+            self.columns[k] = np.concatenate([self.columns[k], new.pop(k)])
 
     def newest_steps(self, n: int) -> list[dict[str, Any]]:
         """The merged view's last `n` steps (metrics.merge: the newest line of each step, by step), with the
