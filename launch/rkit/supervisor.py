@@ -313,7 +313,7 @@ class Supervisor:
 
     def _end_hung_attempt(self, handle: Handle, attempt: int, ending: Ending, observed: Observation,
                           nodes: list[str]) -> None:
-        """Stack dumps where possible, then SIGTERM, a short grace, SIGKILL."""
+        """Stack dumps where possible, then SIGKILL."""
         hang, stopped = observed.hang, list(observed.stopped)
         ranks = sorted(hang.ranks, key=lambda r: (r not in stopped, hang.ranks.index(r)))
         self.run.emit(EV.ATTEMPT_HANG, attempt=attempt, rank=ending.rank, ranks=ranks, stopped_ranks=stopped,
@@ -321,8 +321,9 @@ class Supervisor:
                       seconds_silent=hang.seconds_silent, timeout=hang.timeout)
         dumps = self.backend.dump_stacks(handle, self.run.stacks_dir(attempt), stopped)
         self.run.emit(EV.ATTEMPT_STACKS_DUMPED, attempt=attempt, how=dumps)
-        # A hung collective does not save: a short grace, not the preemption one.
-        self.backend.stop(handle, grace=min(self._grace, HANG_GRACE_SECONDS))
+        # Killed at once: a hung collective does not save, and a SIGTERM with the SIGCONT a stopped rank needs to
+        # act on it would let that rank train on (a tiny run finished and saved its final step in that grace).
+        self.backend.stop(handle, grace=0)
 
     def _request_save(self, handle: Handle, attempt: int, step: int | None, *, reason: str,
                       **fields: object) -> float:
@@ -361,7 +362,6 @@ class Supervisor:
         return float(self.config.resilience.signal_grace_seconds)
 
 
-HANG_GRACE_SECONDS = 10.0
 # The decisions that end the run, and the event that says so.
 FINAL_WORD = {Action.FINISH: EV.RUN_FINISHED, Action.GIVE_UP: EV.RUN_GAVE_UP, Action.STOP: EV.RUN_INTERRUPTED}
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.

@@ -261,7 +261,8 @@ def test_hang(tmp_path):
     hang = events(sup.run, EV.ATTEMPT_HANG)[0]
     assert hang["rank"] == 1 and hang["stopped_ranks"] == [1] and hang["timeout"] == 5
     assert events(sup.run, EV.ATTEMPT_STACKS_DUMPED)[0]["how"] == "fake"
-    assert (sup.run.stacks_dir(1) / "rank-1.txt").exists() and backend.stops == [3]
+    # killed at once (no grace): a continued stopped rank would train on in a grace
+    assert (sup.run.stacks_dir(1) / "rank-1.txt").exists() and backend.stops == [0]
 
 
 def test_lost_node_is_excluded(tmp_path):

@@ -89,6 +89,20 @@ class Container:
         return env
 
 
+def wait_for_dump(path: Path, before: int, deadline: float = 2.0, settle: float = 0.03) -> bool:
+    """Until the stacks file grew past `before` and stayed the same size for `settle` seconds (faulthandler
+    writes it from the signal handler, thread after thread), at most `deadline` seconds: whether it did."""
+    end, size, since = time.monotonic() + deadline, -1, time.monotonic()
+    while time.monotonic() < end:
+        now = path.stat().st_size if path.exists() else 0
+        if now != size:
+            size, since = now, time.monotonic()
+        elif size > before and time.monotonic() - since >= settle:
+            return True
+        time.sleep(0.005)
+    return False
+
+
 class LocalBackend:
     """Every rank on this machine; nodes cannot be chosen, so nothing is ever excluded."""
 
@@ -212,14 +226,16 @@ class LocalBackend:
 
     def dump_stacks(self, handle: LocalAttempt, out_dir: Path, stopped: list[int]) -> str:
         """Python stacks of every live rank: py-spy when it is installed (works on a stopped process), else
-        SIGQUIT, which the agent's faulthandler writes to stacks/rank-<r>.txt once the process runs (SIGCONT
-        for half a second; the `stopped` ranks (stopped_ranks) are stopped again, so a hang stays a hang until the
-        kill)."""
+        SIGQUIT, which the agent's faulthandler writes to stacks/rank-<r>.txt once the process runs. Every live
+        rank is stopped first; then each is continued alone until its dump is written and stopped again, so no
+        rank can train on meanwhile (alone it cannot pass a collective): a hang stays a hang until the kill.
+        (Continuing them all for a moment let a SIGSTOPped tiny run race to its final step and save it.)"""
         import psutil
 
         out_dir.mkdir(parents=True, exist_ok=True)
         pyspy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
         how = "py-spy" if pyspy else "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"
+        self.signal_all(handle, signal.SIGSTOP)
         for rank, proc in handle.procs.items():
             if rank in handle.exits:
                 continue
@@ -236,15 +252,15 @@ class LocalBackend:
                     continue
                 except (OSError, subprocess.TimeoutExpired):
                     how = "faulthandler (SIGQUIT; the agent writes stacks/rank-<r>.txt)"
+            dump = out_dir / RunDir.stacks_file_name(rank)
+            before = dump.stat().st_size if dump.exists() else 0
             try:
                 os.kill(target, signal.SIGQUIT)
             except ProcessLookupError:
                 continue
-        self.signal_all(handle, signal.SIGCONT)
-        time.sleep(0.5)  # let a faulthandler dump reach its file
-        for rank in stopped:
-            if rank not in handle.exits:
-                self._signal_group(handle.procs[rank], signal.SIGSTOP)
+            self._signal_group(proc, signal.SIGCONT)
+            wait_for_dump(dump, before)
+            self._signal_group(proc, signal.SIGSTOP)
         return how
 
     @staticmethod

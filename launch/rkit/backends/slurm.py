@@ -218,6 +218,7 @@ class StepRequest:
     nodes: list[str]
     log: Path
     cwd: Path
+    processes: int = 0
 
     def describe(self) -> str:
         return shlex.join(self.argv)
@@ -317,7 +318,7 @@ class SlurmStepBackend:
             for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
                 env.pop(name, None)
         return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes,
-                           log=attempt_dir / RunDir.launcher_log_name, cwd=cwd)
+                           log=attempt_dir / RunDir.launcher_log_name, cwd=cwd, processes=processes)
 
     def submit(self, request: StepRequest) -> StepHandle:
         request.log.parent.mkdir(parents=True, exist_ok=True)
@@ -427,13 +428,20 @@ class SlurmStepBackend:
         return []  # the ranks' processes are on other nodes
 
     def dump_stacks(self, handle: StepHandle, out_dir: Path, stopped: list[int]) -> str:
-        """SIGQUIT to every task of the step (the agents' faulthandler dumps into the rank logs), then SIGCONT."""
+        """SIGQUIT to every task of the step (the agents' faulthandler writes stacks/rank-<r>.txt), then SIGCONT
+        (a stopped task dumps once it runs); returns once every rank's dump is written (at most 2 s), so that the
+        kill that follows comes before a continued task could train on."""
+        from .local import wait_for_dump
+
         job_id, step = os.environ.get("SLURM_JOB_ID"), self._step_id(handle)
         if not job_id or step is None or handle.proc.poll() is not None:
             return "none (the step is gone)"
+        dumps = [out_dir / RunDir.stacks_file_name(r) for r in range(handle.request.processes)]
+        before = [d.stat().st_size if d.exists() else 0 for d in dumps]
         for sig in ("QUIT", "CONT"):
             subprocess.run(["scancel", f"--signal={sig}", f"{job_id}.{step}"], capture_output=True, check=False)
-        time.sleep(0.5)
+        for dump, size in zip(dumps, before, strict=True):
+            wait_for_dump(dump, size)
         return "faulthandler (SIGQUIT through scancel; the agents write stacks/rank-<r>.txt)"
 
 
