@@ -70,12 +70,14 @@ def main() -> None:
                   f"[{r['interval'][0]:.3f}, {r['interval'][1]:.3f}] {r['verdict']} ({r['wall_seconds']:.0f} s)",
                   flush=True)
     same = [r for r in results if not r["candidate"]]
-    alarms = sum(r["exit"] for r in same)
-    lo, hi = wilson(alarms, len(same))
-    print(f"\nfalse alarms: {alarms}/{len(same)} identical pairs (rate {alarms / len(same):.0%}, 95 % Wilson "
-          f"interval [{lo:.0%}, {hi:.0%}]); rounds {args.rounds}, threshold {args.threshold:.0%}")
-    print("identical pairs' step-time ratio: median {:.3f}, range [{:.3f}, {:.3f}]".format(
-        statistics.median(r["ratio"] for r in same), min(r["ratio"] for r in same), max(r["ratio"] for r in same)))
+    if same:  # --pairs 0: a slowdown ladder only
+        alarms = sum(r["exit"] for r in same)
+        lo, hi = wilson(alarms, len(same))
+        print(f"\nfalse alarms: {alarms}/{len(same)} identical pairs (rate {alarms / len(same):.0%}, 95 % Wilson "
+              f"interval [{lo:.0%}, {hi:.0%}]); rounds {args.rounds}, threshold {args.threshold:.0%}")
+        print("identical pairs' step-time ratio: median {:.3f}, range [{:.3f}, {:.3f}]".format(
+            statistics.median(r["ratio"] for r in same), min(r["ratio"] for r in same),
+            max(r["ratio"] for r in same)))
     for s in args.slowdowns:
         rs = [r for r in results if r["candidate"] == [s]]
         print(f"{s}: measured step-time ratio median {statistics.median(r['ratio'] for r in rs):.3f}; "
