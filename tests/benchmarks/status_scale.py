@@ -87,16 +87,18 @@ print(json.dumps([u.ru_utime + u.ru_stime, u.ru_maxrss]))
 
 
 def append(run: Path, steps: int, events: int) -> None:
-    """A live run between two calls: `steps` more steps on every rank, `events` more events."""
-    with open(run / "events.jsonl") as fh:
-        last = json.loads(fh.readlines()[-1])
+    """A live run between two calls: `steps` more steps on every rank, `events` more events. Reads only the files'
+    last lines: Linux keeps a process's peak RSS across exec, so a large read here would show as every later
+    child's peak."""
+    from rkit.rundir import last_jsonl
+
+    last = last_jsonl(run / "events.jsonl")
     with open(run / "events.jsonl", "a") as fh:
         for i in range(events):
             fh.write(json.dumps({"t": last["t"] + i, "event": "agent.started", "attempt": last.get("attempt"),
                                  "rank": i % 2}) + "\n")
     for rank_file in sorted((run / "metrics").glob("*.jsonl")):
-        with open(rank_file) as fh:
-            tail = json.loads(fh.readlines()[-1])
+        tail = last_jsonl(rank_file)
         with open(rank_file, "a") as fh:
             for i in range(1, steps + 1):
                 fh.write(json.dumps({**tail, "step": tail["step"] + i, "t": tail["t"] + i * 0.1}) + "\n")
