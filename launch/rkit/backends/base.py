@@ -1,15 +1,31 @@
 """The backend interface: how the processes of one attempt are started, watched and stopped.
 
 A backend renders a printable request (`prepare`, pure), starts it (`submit`) and answers about the returned
-handle. Both backends (local.py, slurm.py) implement `Backend`; the supervisor knows only this module.
+handle. Both backends (local.py, slurm.py) implement `Backend`; the supervisor knows only this module. Also
+the one wait both backends' stack dumps share (`wait_for_dump`).
 """
 
 from __future__ import annotations
 
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+
+def wait_for_dump(path: Path, before: int, deadline: float = 2.0, settle: float = 0.03) -> bool:
+    """Until the stacks file grew past `before` and stayed the same size for `settle` seconds (faulthandler
+    writes it from the signal handler, thread after thread), at most `deadline` seconds: whether it did."""
+    end, size, since = time.monotonic() + deadline, -1, time.monotonic()
+    while time.monotonic() < end:
+        now = path.stat().st_size if path.exists() else 0
+        if now != size:
+            size, since = now, time.monotonic()
+        elif size > before and time.monotonic() - since >= settle:
+            return True
+        time.sleep(0.005)
+    return False
 
 
 @dataclass

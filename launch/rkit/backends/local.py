@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..rundir import RunDir, open_for_writing, write_atomic
-from .base import Handle, RankExit
+from .base import Handle, RankExit, wait_for_dump
 
 
 @dataclass(frozen=True)
@@ -87,20 +87,6 @@ class Container:
                or k.startswith("APPTAINER")}
         env.update({f"APPTAINERENV_{k}": v for k, v in process_env.items()})
         return env
-
-
-def wait_for_dump(path: Path, before: int, deadline: float = 2.0, settle: float = 0.03) -> bool:
-    """Until the stacks file grew past `before` and stayed the same size for `settle` seconds (faulthandler
-    writes it from the signal handler, thread after thread), at most `deadline` seconds: whether it did."""
-    end, size, since = time.monotonic() + deadline, -1, time.monotonic()
-    while time.monotonic() < end:
-        now = path.stat().st_size if path.exists() else 0
-        if now != size:
-            size, since = now, time.monotonic()
-        elif size > before and time.monotonic() - since >= settle:
-            return True
-        time.sleep(0.005)
-    return False
 
 
 class LocalBackend:

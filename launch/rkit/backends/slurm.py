@@ -23,7 +23,7 @@ from ..errors import RkitError
 from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
 from ..stamp import redact
 from . import shared_paths
-from .base import Handle, NotEnoughNodes, RankExit
+from .base import Handle, NotEnoughNodes, RankExit, wait_for_dump
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
 # come from.
@@ -431,8 +431,6 @@ class SlurmStepBackend:
         """SIGQUIT to every task of the step (the agents' faulthandler writes stacks/rank-<r>.txt), then SIGCONT
         (a stopped task dumps once it runs); returns once every rank's dump is written (at most 2 s), so that the
         kill that follows comes before a continued task could train on."""
-        from .local import wait_for_dump
-
         job_id, step = os.environ.get("SLURM_JOB_ID"), self._step_id(handle)
         if not job_id or step is None or handle.proc.poll() is not None:
             return "none (the step is gone)"
