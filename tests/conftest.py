@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,3 +112,36 @@ def cpu_image() -> Path:
     require_apptainer()
     done = rkit("image", "build", "cpu", *MIRROR, timeout=3600, check=0)
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+# An image with Python, JAX and MaxText but without rkit (as AMD's and NVIDIA's MaxText images are): the cpu image
+# with rkit removed, so the same lock. Built once per cpu image (cached beside it; the test bed's nodes see it).
+WITHOUT_RKIT = """Bootstrap: localimage
+From: {base}
+
+%post
+    rm -rf /opt/venv/lib/python3*/site-packages/rkit /opt/venv/lib/python3*/site-packages/rkit-*.dist-info \\
+        /opt/venv/bin/rkit /etc/rkit
+    ! /opt/venv/bin/python -c 'import rkit' 2>/dev/null
+
+%runscript
+    exec /opt/venv/bin/python "$@"
+"""
+
+
+@pytest.fixture(scope="session")
+def image_without_rkit(cpu_image: Path) -> Path:
+    from rkit.image import apptainer, sha256_file
+
+    target = cpu_image.parent / f"test-without-rkit-{sha256_file(cpu_image).split(':')[1][:16]}.sif"
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(prefix="rkit-test-image-", dir=cpu_image.parent) as tmp:
+        definition = Path(tmp) / "without-rkit.def"
+        definition.write_text(WITHOUT_RKIT.format(base=cpu_image))
+        partial = Path(tmp) / "image.sif"
+        done = subprocess.run([apptainer(), "build", str(partial), str(definition)], capture_output=True, text=True,
+                              timeout=1800, check=False)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        os.replace(partial, target)
+    return target

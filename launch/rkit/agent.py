@@ -308,9 +308,16 @@ def main(argv: list[str] | None = None) -> None:
     from absl import app
     from maxtext.trainers.pre_train import train
 
-    from .trainers.maxtext import after_initialize, hook_the_train_loop, rank_overrides, resolve_base_config
+    from .trainers.maxtext import (
+        after_initialize,
+        hook_the_train_loop,
+        rank_overrides,
+        resolve_base_config,
+        route_tensorboard,
+    )
 
     hook_the_train_loop(Injector(ctx, pump).at_step)
+    route_tensorboard(ctx.run)
     if os.environ.get(determinism.EXPECTED_ENV):
         after_initialize(lambda: check_determinism(ctx, os.environ))
 

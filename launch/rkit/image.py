@@ -274,7 +274,11 @@ def labels(path: Path) -> dict[str, str]:
 
 
 def image_info(path: Path) -> dict[str, Any]:
-    """/etc/rkit/image.json from inside the image."""
+    """/etc/rkit/image.json from inside the image ({} for an image rkit did not build)."""
+    done = subprocess.run([apptainer(), "exec", "--cleanenv", "--no-home", str(path), "test", "-f",
+                           "/etc/rkit/image.json"], capture_output=True, check=False, timeout=300)
+    if done.returncode != 0:
+        return {}
     return _apptainer_json("exec", "--cleanenv", "--no-home", str(path), "cat", "/etc/rkit/image.json")
 
 
@@ -319,6 +323,8 @@ class ImageIdentity:
     flavor: str | None
     labels: dict[str, str] = field(default_factory=dict)
     size_bytes: int = 0
+    python: str = "/opt/venv/bin/python"  # the image's Python that runs the ranks (imageagent.probe)
+    agent: str = "image"  # "image": its own rkit agent (the same files as this rkit's); "bound": rkit brings it
 
     @property
     def gpu_flags(self) -> list[str]:
@@ -356,7 +362,7 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
                 return _unchanged(record)
     # Which mirror does not matter here (build_args are not compared below); naming one skips the reachability
     # probe, and it must pass plan_build's MIRROR check like any other.
-    plan = plan_build(flavor, {"MIRROR": ANY_MIRROR} if flavor == "cpu" else None)
+    plan = plan_build(flavor, {"MIRROR": ANY_MIRROR} if bases()[flavor]["bootstrap"] == "debootstrap" else None)
     same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_agent_sha256")
     current = [r for r in records if all(r["key_material"].get(k) == plan.key_material[k] for k in same)]
     if not current:
@@ -388,11 +394,15 @@ def locate(reference: str, want_sha256: str | None = None) -> Path | None:
 
 
 def identify(reference: str, path: Path, sha256: str | None = None) -> ImageIdentity:
+    from .imageagent import probe
+
     found = labels(path)
-    return ImageIdentity(reference=reference, path=str(path), sha256=sha256 or sha256_file(path),
-                         flavor=found.get(LABEL_PREFIX + "flavor"),
+    sha256 = sha256 or sha256_file(path)
+    inside = probe(apptainer(), str(path), sha256)
+    return ImageIdentity(reference=reference, path=str(path), sha256=sha256,
+                         flavor=found.get(LABEL_PREFIX + "flavor") or inside["flavor"],
                          labels={k: v for k, v in sorted(found.items()) if k.startswith(LABEL_PREFIX)},
-                         size_bytes=path.stat().st_size)
+                         size_bytes=path.stat().st_size, python=inside["python"], agent=inside["agent"])
 
 
 def resolve(reference: str) -> ImageIdentity | None:

@@ -156,6 +156,7 @@ def capture(*, with_jax: bool = False, recipe_path: Path | None = None,
     uname = platform.uname()
     manifest: dict[str, Any] = {
         "rkit_version": __version__,
+        "rkit_path": str(Path(__file__).resolve().parent),  # the image's own rkit, or the copy rkit bound in
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},
         "packages": pkgs,

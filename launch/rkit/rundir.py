@@ -255,6 +255,7 @@ class RunDir:
     maxtext_run_name = "checkpoints"
     checkpoints = property(lambda self: self.path / "checkpoints")
     orbax_dir = property(lambda self: self.path / "checkpoints" / "checkpoints")
+    tensorboard_dir = property(lambda self: self.path / "tensorboard")  # MaxText's summaries (trainers/maxtext)
 
     def metrics_file(self, rank: int) -> Path:
         return self.metrics_dir / f"{rank}.jsonl"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__, determinism, manifest
+from . import __version__, determinism, imageagent, manifest
 from .backends.local import Container, LocalBackend
 from .config import Config
 from .errors import RkitError, RunDirUnwritable
@@ -238,7 +238,8 @@ def supervise(run_path: Path) -> RunState:
         nodes_per_step=res.nodes, tasks_per_node=res.processes_per_node,
         container_launch=config.slurm.container_launch, sif=image.path if image else None,
         binds=(str(run.path.resolve()), jax_cache), gpu_flags=tuple(image.gpu_flags) if image else (),
-        python=sys.executable, exclude=tuple(excluded))
+        python=sys.executable, exclude=tuple(excluded), image_python=image.python if image else "/opt/venv/bin/python",
+        agent_path=bound_agent(run, image))
     lock = _acquire_with_patience(run)
     try:
         run.emit(EV.JOB_STARTED, job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
@@ -268,6 +269,15 @@ def supervise(run_path: Path) -> RunState:
         return state
     finally:
         lock.release()
+
+
+def bound_agent(run: RunDir, image: ImageIdentity | None, write: bool = True) -> str | None:
+    """For an image without rkit's agent: the directory of the agent's copy in the run directory (written now
+    unless `write` is false), for the ranks' PYTHONPATH; None when the image brings its own."""
+    if image is None or image.agent != "bound":
+        return None
+    path = run.path.resolve() / imageagent.AGENT_DIR
+    return str(imageagent.install(run.path.resolve()) if write else path)
 
 
 def _acquire_with_patience(run: RunDir, seconds: float = 60) -> RunLock:
@@ -335,7 +345,8 @@ def dry_run(recipe: Recipe, injections: list[Injection]) -> str:
     container = None
     if image is not None:
         container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
-                              binds=(str(run.path.resolve()), default_jax_cache_dir()))
+                              binds=(str(run.path.resolve()), default_jax_cache_dir()), python=image.python,
+                              agent_path=bound_agent(run, image, write=False))
     supervisor = Supervisor(run=run, config=recipe.config, injections=injections,
                             backend=LocalBackend(container=container), base_env=training_env(recipe, image, host),
                             host_env=host, image=image, jax_cache_dir=default_jax_cache_dir())
@@ -368,7 +379,8 @@ def execute(recipe: Recipe, *, image: ImageIdentity | None, resume: bool, inject
         if image is not None:
             Path(jax_cache).mkdir(parents=True, exist_ok=True)
             container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
-                                  binds=(str(run.path.resolve()), jax_cache))
+                                  binds=(str(run.path.resolve()), jax_cache), python=image.python,
+                                  agent_path=bound_agent(run, image))
         supervisor = Supervisor(run=run, config=recipe.config, injections=injections,
                                 backend=LocalBackend(container=container), base_env=training_env(recipe, image, host),
                                 host_env=host, image=image, jax_cache_dir=jax_cache, on_progress=on_progress)

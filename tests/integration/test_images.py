@@ -99,10 +99,35 @@ def test_run_inside_the_image_survives_a_kill(image_run: RunDir, image_workspace
         for rank in (0, 1):
             env = json.loads((image_run.attempt_dir(attempt) / "env" / f"rank-{rank}.json").read_text())
             assert env["python"]["executable"] == "/opt/venv/bin/python"  # the image's Python, not the host's
+            assert env["rkit_path"].startswith("/opt/venv/lib/")  # and the image's own rkit agent
             assert env["packages"] == image_packages and "pytest" not in env["packages"]
             assert env["jax"]["process_count"] == 2
     argv = json.loads((image_run.attempt_dir(1) / "attempt.json").read_text())["launch"]["ranks"][0]["argv"]
     assert argv[1:4] == ["exec", "--cleanenv", "--no-home"] and str(sif.resolve()) in argv
+
+
+def test_an_image_without_rkit_trains_with_the_agent_rkit_brings(image_without_rkit: Path, image_workspace: Path,
+                                                                  image_run: RunDir, cpu_image: Path):
+    rkit("run", str(RECIPE), "-o", "name=without-rkit", "-o", f"image={image_without_rkit}", *SHORT,
+         cwd=image_workspace, check=0)
+    run = RunDir(image_workspace / "runs" / "without-rkit")
+    s = json.loads(rkit("status", "--json", str(run.path), check=0).stdout)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["completed"]
+    stamp = run.load_manifest()
+    assert stamp["image"]["agent"] == "bound" and stamp["image"]["python"] == "/opt/venv/bin/python"
+    assert image_run.load_manifest()["image"]["agent"] == "image"  # rkit's own image brings its own
+    assert (run.path / "agent" / "rkit" / "agent.py").is_file()
+    own = {k: v for k, v in image_info(cpu_image)["packages"].items() if k != "rkit"}
+    for rank in (0, 1):
+        env = json.loads((run.attempt_dir(1) / "env" / f"rank-{rank}.json").read_text())
+        assert env["rkit_path"] == str((run.path / "agent" / "rkit").resolve())  # the copy, not the host's
+        assert env["python"]["executable"] == "/opt/venv/bin/python"
+        assert env["packages"] == own  # the image's own package list, recorded per rank
+        assert env["jax"]["process_count"] == 2
+    argv = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["ranks"][0]["argv"]
+    assert argv[argv.index(str(image_without_rkit)) + 1:][:3] == ["/opt/venv/bin/python", "-m", "rkit.agent"]
+    # Same lock, same config: the same training as in rkit's own image.
+    assert merged(run, 0)[29]["loss"] == merged(image_run, 0)[29]["loss"]
 
 
 def test_reproduce_then_diff_shows_only_what_must_differ(image_run: RunDir, image_workspace: Path):

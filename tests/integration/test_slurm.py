@@ -124,6 +124,20 @@ def test_reproduce_of_a_slurm_run_is_a_slurm_job_and_ends_with_the_verdict(clust
     assert again.load_outcome()["loss"]["sha256"] == clean_run.load_outcome()["loss"]["sha256"]
 
 
+def test_an_image_without_rkit_runs_on_slurm_with_the_agent_rkit_brings(cluster, slurm_workspace,
+                                                                        image_without_rkit: Path, clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "without-rkit", image_without_rkit)
+    s = wait_finished(cluster, run)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["completed"]
+    assert run.load_manifest()["image"]["agent"] == "bound"
+    for rank in (0, 1):
+        env = json.loads((run.attempt_dir(1) / "env" / f"rank-{rank}.json").read_text())
+        assert env["rkit_path"] == str((run.path / "agent" / "rkit").resolve())
+        assert env["python"]["executable"] == "/opt/venv/bin/python" and env["jax"]["process_count"] == 2
+        assert "rkit" not in env["packages"]
+    assert final_loss(run) == final_loss(clean_run)
+
+
 def test_the_shared_path_check_names_each_node_that_cannot_see_a_path(cluster, monkeypatch):
     # The check step the supervisor runs before a job's first attempt, on the real cluster: this checkout is bound
     # into the test bed's nodes, a folder under this machine's /var/tmp is not. (The supervisor's side of it, the

@@ -73,19 +73,21 @@ class Container:
     gpu_flags: tuple[str, ...] = ()
     binds: tuple[str, ...] = ()
     python: str = "/opt/venv/bin/python"
+    agent_path: str | None = None  # an image without rkit's agent: the bound copy's directory (imageagent)
 
     def wrap(self, argv: list[str]) -> list[str]:
         binds = [arg for path in self.binds for arg in ("--bind", path)]
         return [self.apptainer, "exec", "--cleanenv", "--no-home", *self.gpu_flags, *binds, self.sif, self.python,
                 *argv]
 
-    @staticmethod
-    def wrap_env(host_env: dict[str, str], process_env: dict[str, str]) -> dict[str, str]:
+    def wrap_env(self, host_env: dict[str, str], process_env: dict[str, str]) -> dict[str, str]:
         """Apptainer's own environment, plus each training variable as APPTAINERENV_<name> (values never
         appear on a command line)."""
         env = {k: v for k, v in host_env.items() if k in ("PATH", "HOME", "USER", "LANG", "TMPDIR")
                or k.startswith("APPTAINER")}
         env.update({f"APPTAINERENV_{k}": v for k, v in process_env.items()})
+        if self.agent_path:
+            env["APPTAINERENV_PYTHONPATH"] = self.agent_path
         return env
 
 
@@ -111,7 +113,7 @@ class LocalBackend:
                         "PYTHONUNBUFFERED": "1"})
             argv = ["-m", "rkit.agent", *trainer_args]
             if self.container:
-                argv, env = self.container.wrap(argv), Container.wrap_env(host_env or {}, env)
+                argv, env = self.container.wrap(argv), self.container.wrap_env(host_env or {}, env)
             else:
                 argv = [self.python, *argv]
             ranks.append(RankLaunch(rank=rank, argv=argv, env=env, log=attempt_dir / RunDir.rank_log_name(rank)))

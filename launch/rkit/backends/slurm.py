@@ -267,7 +267,8 @@ class SlurmStepBackend:
 
     def __init__(self, *, nodes_per_step: int, tasks_per_node: int, container_launch: str = "apptainer",
                  sif: str | None = None, binds: tuple[str, ...] = (), gpu_flags: tuple[str, ...] = (),
-                 python: str | None = None, exclude: tuple[str, ...] = ()):
+                 python: str | None = None, exclude: tuple[str, ...] = (),
+                 image_python: str = "/opt/venv/bin/python", agent_path: str | None = None):
         self.nodes_per_step = nodes_per_step
         self.tasks_per_node = tasks_per_node
         self.container_launch = container_launch
@@ -276,6 +277,8 @@ class SlurmStepBackend:
         self.gpu_flags = gpu_flags
         self.python = python or os.environ.get("RKIT_PYTHON") or "python3"
         self.exclude = list(exclude)
+        self.image_python = image_python  # the image's Python (imageagent.probe)
+        self.agent_path = agent_path  # an image without rkit's agent: the bound copy's directory
 
     def allocation(self) -> list[str]:
         return hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]
@@ -308,15 +311,18 @@ class SlurmStepBackend:
         if self.sif is None:
             argv = [*srun, self.python, *agent]
         elif self.container_launch == "oci":
-            argv = [*srun, f"--container={self.sif}", "/opt/venv/bin/python", *agent]
+            argv = [*srun, f"--container={self.sif}", self.image_python, *agent]
         else:
             # No --cleanenv here: each task's own SLURM_PROCID/SLURM_LOCALID must reach the container, and srun
             # sets them per task. What would break the image's Python is removed instead.
             binds = [arg for path in self.binds for arg in ("--bind", path)]
-            argv = [*srun, "apptainer", "exec", "--no-home", *self.gpu_flags, *binds, self.sif, "/opt/venv/bin/python",
+            argv = [*srun, "apptainer", "exec", "--no-home", *self.gpu_flags, *binds, self.sif, self.image_python,
                     *agent]
+        if self.sif is not None:
             for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
                 env.pop(name, None)
+            if self.agent_path:
+                env["PYTHONPATH"] = self.agent_path
         return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes,
                            log=attempt_dir / RunDir.launcher_log_name, cwd=cwd, processes=processes)
 

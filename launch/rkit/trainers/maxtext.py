@@ -209,6 +209,26 @@ def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
     metric_logger.MetricLogger.buffer_and_write_metrics = buffer_and_write_metrics
 
 
+def route_tensorboard(run: RunDir) -> None:
+    """In the training environment, before MaxText's train.main: MaxText's TensorBoard summaries go to
+    <run>/tensorboard/ (`tensorboard --logdir runs/` shows one line per run, every attempt of it on one
+    curve), not to the tensorboard_dir MaxText derives from base_output_directory and run_name
+    (<run>/checkpoints/tensorboard/checkpoints/). MaxText's own switch, enable_tensorboard, still decides
+    whether anything is written; its Vertex AI upload is not touched."""
+    from maxtext.utils import max_utils
+
+    if getattr(max_utils.initialize_summary_writer, "rkit_hooked", False):
+        return
+    initialize = max_utils.initialize_summary_writer
+
+    def initialize_summary_writer(tensorboard_dir, run_name, enable_tensorboard=True):
+        # MaxText joins the two: <run>/tensorboard
+        return initialize(str(run.path.resolve()), run.tensorboard_dir.name, enable_tensorboard)
+
+    initialize_summary_writer.rkit_hooked = True  # type: ignore[attr-defined]
+    max_utils.initialize_summary_writer = initialize_summary_writer
+
+
 def after_initialize(then: Callable[[], None]) -> None:
     """In the training environment, before MaxText's train.main: `then()` runs right after MaxText's
     train.initialize (which sets JAX's default PRNG to unsafe_rbg) and before the model is built."""

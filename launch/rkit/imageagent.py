@@ -1,0 +1,120 @@
+"""Which Python of an image runs the ranks, and whether the agent comes from the image or from rkit.
+
+An image rkit built holds rkit (`/opt/venv/bin/python -m rkit.agent`). Any other image with Python, JAX and
+MaxText (AMD's and NVIDIA's MaxText images, a team's own) does not: then rkit brings its agent in. The agent
+needs only the standard library and what MaxText already imports, so a copy of its files (image.IMAGE_SIDE_FILES,
+the same list the image cache key covers), written into
+the run directory (`<run>/agent/rkit/`, which every rank already sees: the run directory is bound into the
+container and checked on every node) and put on the ranks' PYTHONPATH, is all it takes. The copy is rewritten
+on every supervisor start, so the agent always matches the supervisor that reads its files.
+
+The probe runs the image's Python once per image file (memoised by digest): its path, version, whether it
+holds rkit's agent (the same files as this rkit's), JAX and MaxText, and which JAX plugin (cuda, rocm or none: the
+flavor of an image without rkit's labels, for `--nv` / `--rocm`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import RkitError
+from .image import IMAGE_SIDE_FILES, sha256_tree
+
+IMAGE_PYTHONS = ("/opt/venv/bin/python", "python3")  # rkit's images first, then the image's own PATH
+AGENT_DIR = "agent"  # <run>/agent: holds the bound copy of the rkit package
+PACKAGE = Path(__file__).resolve().parent
+
+# Run by the image's Python with the agent's file list as argv[1]: the image's rkit agent is used only when its
+# files hash as this rkit's do (image.sha256_tree: the same function, inlined; the version string alone says
+# nothing, it is the same for every build).
+PROBE = r"""
+import hashlib, importlib.metadata as md, importlib.util as u, json, os, sys
+def version(name):
+    try:
+        return md.version(name)
+    except Exception:
+        return None
+def tree():
+    spec = u.find_spec("rkit")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root, digest = list(spec.submodule_search_locations)[0], hashlib.sha256()
+    for name in sorted(json.loads(sys.argv[1])):
+        try:
+            data = open(os.path.join(root, name), "rb").read()
+        except OSError:
+            return None
+        digest.update(name.encode() + b"\0" + data + b"\0")
+    return "sha256:" + digest.hexdigest()
+names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in md.distributions()}
+vendor = ("cuda" if any(n.startswith("jax-cuda") for n in names) else
+          "rocm" if any(n.startswith("jax-rocm") for n in names) else "cpu")
+print(json.dumps({"python": sys.executable, "flavor": vendor, "python_version": sys.version.split()[0],
+                  "rkit_agent_sha256": tree(),
+                  "jax": version("jax"), "maxtext": bool(u.find_spec("maxtext") or u.find_spec("MaxText"))}))
+"""
+
+_probed: dict[str, dict[str, Any]] = {}
+
+
+def probe(apptainer: str, sif: str, sha256: str) -> dict[str, Any]:
+    """What the image's Python holds; raises RkitError when no Python in it can run, or it has no JAX or
+    MaxText (nothing could train there)."""
+    if sha256 in _probed:
+        return _probed[sha256]
+    tried = []
+    for python in IMAGE_PYTHONS:
+        try:
+            done = subprocess.run([apptainer, "exec", "--cleanenv", "--no-home", sif, python, "-c", PROBE,
+                                   json.dumps(IMAGE_SIDE_FILES)],
+                                  capture_output=True, text=True, timeout=300, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            tried.append(f"{python}: {exc}")
+            continue
+        lines = done.stdout.strip().splitlines()
+        if done.returncode == 0 and lines:
+            try:
+                found = json.loads(lines[-1])
+            except ValueError:
+                tried.append(f"{python}: printed {lines[-1][:100]!r}")
+                continue
+            break
+        tried.append(f"{python}: exit {done.returncode} {done.stderr.strip()[-200:]}")
+    else:
+        raise RkitError(f"image {sif}: no Python in it could run ({'; '.join(tried)}). rkit runs the ranks with "
+                        f"{' or '.join(IMAGE_PYTHONS)} inside the image; use an image with Python, JAX and MaxText.")
+    missing = [name for name in ("jax", "maxtext") if not found.get(name)]
+    if missing:
+        raise RkitError(f"image {sif}: its Python ({found['python']}) has no {' and no '.join(missing)}; rkit "
+                        "trains with MaxText on JAX inside the image. Use an image that holds both (e.g. "
+                        "`make image FLAVOR=cpu`, or a vendor's MaxText image).")
+    found["agent"] = "image" if found.get("rkit_agent_sha256") == sha256_tree(PACKAGE) else "bound"
+    _probed[sha256] = found
+    return found
+
+
+def install(run_path: Path) -> Path:
+    """Write this rkit package into `<run>/agent/rkit` (replacing an older copy whole); returns `<run>/agent`,
+    the directory to put on the ranks' PYTHONPATH."""
+    dest = run_path / AGENT_DIR
+    dest.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".rkit-", dir=dest))
+    try:
+        for name in IMAGE_SIDE_FILES:
+            target = staging / "rkit" / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(PACKAGE / name, target)
+        old = dest / "rkit"
+        if old.exists():
+            trash = Path(tempfile.mkdtemp(prefix=".old-", dir=dest))
+            old.rename(trash / "rkit")
+            shutil.rmtree(trash, ignore_errors=True)
+        (staging / "rkit").rename(old)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
