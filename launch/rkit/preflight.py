@@ -5,8 +5,10 @@ failed attempt that spends a budget."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
+from . import devices
 from .backends.base import Backend
 from .errors import RkitError
 from .image import ImageIdentity
@@ -38,6 +40,35 @@ def image_unchanged(run: RunDir, image: ImageIdentity | None, attempt: int) -> N
     except RkitError as exc:
         run.emit(EV.RUN_GAVE_UP, reason=f"image check failed before attempt {attempt}: {exc}")
         raise
+
+
+def gpu_vendor(gpus_per_node: int, image: ImageIdentity | None) -> str | None:
+    """Whose tool checks the GPUs: the image's vendor (--nv, --rocm), else whichever tool this host has; None
+    when there is nothing to check (no GPUs in the recipe, or no vendor tool)."""
+    if gpus_per_node <= 0:
+        return None
+    vendor = devices.vendor_of(image.gpu_flags if image else ())
+    if vendor:
+        return vendor
+    return "nvidia" if shutil.which("nvidia-smi") else "amd" if shutil.which("amd-smi") else None
+
+
+def gpu_health(run: RunDir, backend: Backend, vendor: str | None, attempt: int) -> dict[str, str]:
+    """Before every attempt on GPU nodes: {node: why its GPUs are unfit} (the supervisor excludes those
+    nodes like dead ones). A check that could not be made is a warning. The local launcher cannot leave its one
+    node out: there an unfit GPU stops the run with the diagnosis."""
+    if vendor is None:
+        return {}
+    found, why = backend.unfit_gpus(vendor)
+    if why:
+        sys.stderr.write(f"rkit: warning: the GPU health check was not made before attempt {attempt}: {why}\n")
+    if found and backend.name == "local":
+        reason = (f"GPU health check failed before attempt {attempt}: "
+                  + "; ".join(f"{node}: {what}" for node, what in sorted(found.items()))
+                  + ". Free or repair the GPUs (nvidia-smi / amd-smi show them), then resume.")
+        run.emit(EV.RUN_GAVE_UP, reason=reason)
+        raise RkitError(reason)
+    return found
 
 
 def grew(tail: JsonlTail) -> bool:

@@ -126,8 +126,12 @@ class Supervisor:
             if decision.action is Action.GIVE_UP:
                 return self._final(EV.RUN_GAVE_UP, reason=decision.reason, committed_step=lost[1].committed_after)
         preflight.shared_paths(self.run, self.backend, self.image, self.next_attempt_number())
+        vendor = preflight.gpu_vendor(self.config.gpus_per_node, self.image)
         while True:
             preflight.image_unchanged(self.run, self.image, self.next_attempt_number())
+            if unfit := preflight.gpu_health(self.run, self.backend, vendor, self.next_attempt_number()):
+                self._exclude(sorted(unfit), reason="GPU health check: " + "; ".join(
+                    f"{node}: {why}" for node, why in sorted(unfit.items())))
             outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
             final = self.final_committed()
             decision, tally = decide(tally, outcome, budgets, final)
@@ -347,14 +351,14 @@ class Supervisor:
             self.run.emit(EV.CHECKPOINT_QUARANTINED, step=step, reason=reason,
                           moved_to=str(target.relative_to(self.run.path)))
 
-    def _exclude(self, nodes: list[str]) -> bool:
+    def _exclude(self, nodes: list[str], reason: str = "implicated in a node failure") -> bool:
         """Keep failed nodes out of the next step; True when too few healthy nodes are left (requeue)."""
         exclude = self.backend.exclude
         exclude.extend(n for n in nodes if n not in exclude)
         healthy = self.backend.healthy_nodes()
         needed = self.config.resources.nodes
         self.run.emit(EV.NODES_EXCLUDED, nodes=nodes, excluded=list(exclude), healthy=healthy,
-                      reason="implicated in a node failure")
+                      reason=reason)
         return len(healthy) < needed
 
     @property

@@ -156,6 +156,34 @@ def test_the_shared_path_check_names_each_node_that_cannot_see_a_path(cluster, m
     assert found == {node: [str(hidden)] for node in nodes}
 
 
+def test_the_gpu_health_check_step_names_the_node_with_uncorrectable_ecc_errors(cluster, tmp_path):
+    # The check's job step on the real cluster: one task per node, each node's answer told apart by srun's labels.
+    # The test bed has no GPUs, so nvidia-smi here is a stand-in printing what the real one prints for those
+    # queries (the csv of --query-gpu / --query-compute-apps): node 2 has a GPU with 4 uncorrectable errors.
+    from rkit.backends import gpu_health
+
+    env = dict(os.environ, PATH=cluster["PATH"])
+    nodes = sorted(set(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True,
+                                      check=True, env=env).stdout.split()))
+    tools = Path(tempfile.mkdtemp(prefix="rkit-fake-smi-", dir="/tmp"))
+    try:
+        smi = tools / "nvidia-smi"
+        smi.write_text("#!/bin/sh\n"
+                       'case "$1" in\n'
+                       f'  --query-gpu=*) echo "0, 0"; [ "$SLURMD_NODENAME" = "{nodes[1]}" ] && echo "1, 4" || '
+                       'echo "1, [N/A]" ;;\n'
+                       f'  --query-compute-apps=*) [ "$SLURMD_NODENAME" = "{nodes[2]}" ] && '
+                       'echo "77, python3, 00000000:07:00.0" ;;\n'
+                       "esac\nexit 0\n")
+        smi.chmod(0o755)
+        found, why = gpu_health.check(nodes, "nvidia", env=dict(env, PATH=f"{tools}:{env['PATH']}"))
+    finally:
+        shutil.rmtree(tools, ignore_errors=True)
+    assert why is None and len(nodes) == 3
+    assert found == {nodes[1]: "uncorrectable ECC errors on GPU 1 (4)",
+                     nodes[2]: "1 process(es) still holding GPUs: pid 77 python3 on 00000000:07:00.0"}
+
+
 def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_image, clean_run: RunDir):
     run = submit(cluster, slurm_workspace, "crash", cpu_image)
     wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= 25, 600,

@@ -13,6 +13,7 @@ import pytest
 
 from rkit import outcome
 from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit
+from rkit.image import ImageIdentity, sha256_file
 from rkit.policy import Cause, Progress, RunState
 from rkit.recipe import load_recipe
 from rkit.rundir import EV, RunDir
@@ -76,6 +77,7 @@ class FakeBackend:
         self.saves_requested = 0
         self.saves_on_request = True  # False: the trainer stops at the sync point without saving
         self.stops: list[float] = []
+        self.gpu_checks: list[str] = []
 
     def prepare(self, *, attempt, processes, trainer_args, base_env, attempt_dir, cwd, port=None, host_env=None):
         if len(self.healthy_nodes()) < self.per_step:
@@ -172,6 +174,11 @@ class FakeBackend:
         blind = self.script.faults.get("unseen")  # (node, ...): nodes that see none of the paths
         return {node: list(paths) for node in blind[0]} if blind else {}, None
 
+    def unfit_gpus(self, vendor: str) -> tuple[dict[str, str], str | None]:
+        self.gpu_checks.append(vendor)
+        unfit = self.script.faults.get("gpus")  # ((node, why), ...): nodes whose GPUs fail the check
+        return {node: why for node, why in unfit if node not in self.exclude} if unfit else {}, None
+
     def down_nodes(self, handle: FakeHandle) -> list[str]:
         return []
 
@@ -200,8 +207,8 @@ class Clock:
         return self.now
 
 
-def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3")) -> tuple[Supervisor,
-                                                                                              FakeBackend]:
+def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3"),
+         image: ImageIdentity | None = None) -> tuple[Supervisor, FakeBackend]:
     recipe = load_recipe(TINY, [f"trainer.steps={STEPS}", f"checkpoint.period={PERIOD}", "launcher=slurm",
                                 "resources.nodes=2", "resources.processes_per_node=1",
                                 "resilience.hang_timeout=5", "resilience.signal_grace_seconds=3", *overrides])
@@ -212,7 +219,7 @@ def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3
     missing = [m for m in vars(Backend) if not m.startswith("_") and not hasattr(backend, m)]
     assert not missing, f"the fake backend lacks {missing} of the Backend protocol"
     sup = Supervisor(run=run, config=recipe.config, injections=[], backend=backend, base_env={},
-                     jax_cache_dir=str(tmp_path / "jax"), poll_seconds=0, clock=Clock())
+                     jax_cache_dir=str(tmp_path / "jax"), poll_seconds=0, clock=Clock(), image=image)
     ref.append(sup)
     return sup, backend
 
@@ -323,6 +330,35 @@ def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_any_attem
     (gave_up,) = events(sup.run, EV.RUN_GAVE_UP)
     assert gave_up["reason"].startswith("shared file system check failed before attempt 1: n2 cannot see "
                                         f"{sup.run.path.resolve()}")
+
+
+def cuda_image(tmp_path: Path) -> ImageIdentity:
+    sif = tmp_path / "cuda.sif"
+    sif.write_bytes(b"not really an image")
+    return ImageIdentity(reference=str(sif), path=str(sif), sha256=sha256_file(sif), flavor="cuda")
+
+
+def test_a_node_whose_gpus_fail_the_health_check_is_excluded_before_the_attempt(tmp_path):
+    why = "uncorrectable ECC errors on GPU 3 (2)"
+    sup, backend = make(tmp_path, Script(gpus=(("n1", why),)), "slurm.gpus_per_node=8", image=cuda_image(tmp_path))
+    assert sup.run_to_end() is RunState.FINISHED
+    (excluded,) = events(sup.run, EV.NODES_EXCLUDED)
+    assert excluded["nodes"] == ["n1"] and excluded["reason"] == f"GPU health check: n1: {why}"
+    (started,) = events(sup.run, EV.ATTEMPT_STARTED)
+    assert "n1" not in started["nodes"] and backend.gpu_checks == ["nvidia"]
+
+
+def test_unfit_gpus_on_too_many_nodes_requeue_without_them(tmp_path):
+    sup, backend = make(tmp_path, Script(gpus=(("n1", "1 process(es) still holding GPUs: pid 7"),
+                                                ("n3", "uncorrectable ECC errors on GPU 0 (1)"))),
+                        "slurm.gpus_per_node=8", image=cuda_image(tmp_path))
+    assert sup.run_to_end() is RunState.REQUEUED
+    assert events(sup.run, EV.ATTEMPT_NO_NODES) and backend.exclude == ["n1", "n3"]
+
+
+def test_no_gpus_in_the_recipe_no_gpu_check(tmp_path):
+    sup, backend = make(tmp_path, Script(gpus=(("n1", "would fail"),)), image=cuda_image(tmp_path))
+    assert sup.run_to_end() is RunState.FINISHED and backend.gpu_checks == [] and not backend.exclude
 
 
 def test_run_to_end_resumes_after_each_failure_and_finishes(tmp_path):

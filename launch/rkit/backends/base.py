@@ -120,6 +120,11 @@ class Backend(Protocol):
         check could not be made (None when it was)."""
         ...
 
+    def unfit_gpus(self, vendor: str) -> tuple[dict[str, str], str | None]:
+        """Before an attempt on GPU nodes: {node: why its GPUs are unfit} over the nodes an attempt may use
+        (gpu_health.py), and why the check could not be made (None when it was)."""
+        ...
+
     def down_nodes(self, handle: Any) -> list[str]:
         """Nodes of the attempt that the scheduler considers dead now."""
         ...

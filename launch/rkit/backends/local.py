@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..rundir import RunDir, open_for_writing, write_atomic
+from . import gpu_health
 from .base import Handle, RankExit, wait_for_dump
 
 
@@ -192,6 +193,9 @@ class LocalBackend:
 
     def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
         return {}, None  # one machine: the supervisor sees what its ranks see
+
+    def unfit_gpus(self, vendor: str) -> tuple[dict[str, str], str | None]:
+        return gpu_health.check(None, vendor)
 
     def down_nodes(self, handle: LocalAttempt) -> list[str]:
         return []  # this machine is up: it runs the supervisor

@@ -22,7 +22,7 @@ from ..config import Config
 from ..errors import RkitError
 from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
 from ..stamp import redact
-from . import shared_paths
+from . import gpu_health, shared_paths
 from .base import Handle, NotEnoughNodes, RankExit, wait_for_dump
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
@@ -289,6 +289,9 @@ class SlurmStepBackend:
     def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
         own = [self.python] if self.sif is None and os.path.isabs(self.python) else []  # the tasks' Python
         return shared_paths.check(self.healthy_nodes(), [*paths, *own])
+
+    def unfit_gpus(self, vendor: str) -> tuple[dict[str, str], str | None]:
+        return gpu_health.check(self.healthy_nodes(), vendor)
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,
