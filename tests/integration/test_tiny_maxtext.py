@@ -117,6 +117,20 @@ def test_uninterrupted_run_is_stamped_and_finished(baseline: RunDir):
             assert value.encode() not in data, (path, value)
 
 
+def test_maxtexts_tensorboard_summaries_are_in_the_run_directory(baseline: RunDir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events_files = list(baseline.tensorboard_dir.glob("events.out.tfevents.*"))
+    assert events_files and not (baseline.checkpoints / "tensorboard").exists()
+    board = EventAccumulator(str(baseline.tensorboard_dir))
+    board.Reload()
+    loss = {e.step: e.value for e in board.Scalars("learning/loss")}
+    view = merged(baseline, rank=0)
+    assert sorted(loss) == sorted(view)  # every step, as MaxText's metrics file has it
+    for step, value in loss.items():
+        assert value == pytest.approx(view[step]["loss"], rel=1e-6), step
+
+
 def test_rerun_of_a_finished_run_is_reported_done(workspace: Path, baseline: RunDir):
     before = baseline.attempt_numbers()
     done = rkit("run", str(TINY), "-o", "name=baseline", *SHORT, "--resume", cwd=workspace, env=ENV, check=0)

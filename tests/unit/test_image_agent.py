@@ -75,11 +75,20 @@ def test_maxtexts_tensorboard_summaries_go_to_the_run_directory(tmp_path: Path, 
     monkeypatch.setattr(max_utils, "initialize_summary_writer", max_utils.initialize_summary_writer)
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
+    monkeypatch.setattr(max_utils, "add_text_to_summary_writer", max_utils.add_text_to_summary_writer)
+    monkeypatch.setenv("WANDB_API_KEY", "planted-wandb-key")
     route_tensorboard(run)
     route_tensorboard(run)  # once only
     writer = max_utils.initialize_summary_writer(str(tmp_path / "elsewhere"), "checkpoints", True)
     writer.add_scalar("learning/loss", 1.5, 0)
+    max_utils.add_text_to_summary_writer("hf_access_token", "hf_secret_value", writer)
+    max_utils.add_text_to_summary_writer("dataset_path", "s3://u:pw-in-url@host/x planted-wandb-key", writer)
+    max_utils.add_text_to_summary_writer("model_name", "llama-tiny", writer)
     writer.close()
+    data = b"".join(p.read_bytes() for p in run.tensorboard_dir.iterdir())
+    assert b"llama-tiny" in data and b"<redacted>" in data
+    for secret in (b"hf_secret_value", b"pw-in-url", b"planted-wandb-key"):
+        assert secret not in data
     assert [p.name.split(".")[0] for p in run.tensorboard_dir.iterdir()] == ["events"]
     assert not (tmp_path / "elsewhere").exists()
     off = max_utils.initialize_summary_writer(str(tmp_path / "elsewhere"), "checkpoints", False)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RkitError
 from ..rundir import RunDir
+from ..stamp import REDACTED, is_secret_name, redact_value
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -214,7 +215,7 @@ def route_tensorboard(run: RunDir) -> None:
     <run>/tensorboard/ (`tensorboard --logdir runs/` shows one line per run, every attempt of it on one
     curve), not to the tensorboard_dir MaxText derives from base_output_directory and run_name
     (<run>/checkpoints/tensorboard/checkpoints/). MaxText's own switch, enable_tensorboard, still decides
-    whether anything is written; its Vertex AI upload is not touched."""
+    whether anything is written; its Vertex AI upload is not touched. Its text summaries are redacted."""
     from maxtext.utils import max_utils
 
     if getattr(max_utils.initialize_summary_writer, "rkit_hooked", False):
@@ -225,8 +226,21 @@ def route_tensorboard(run: RunDir) -> None:
         # MaxText joins the two: <run>/tensorboard
         return initialize(str(run.path.resolve()), run.tensorboard_dir.name, enable_tensorboard)
 
+    add_text = max_utils.add_text_to_summary_writer
+    # MaxText writes its whole config as text summaries, hf_access_token (read from HF_TOKEN) included: the run
+    # directory holds no secret, so a secret-named key's value, a URL's password, a private key block and the
+    # value of any secret-named variable of this process are replaced, as in every manifest (stamp.redact).
+    planted = sorted({v for k, v in os.environ.items() if is_secret_name(k) and len(v) >= 4}, key=len, reverse=True)
+
+    def add_text_to_summary_writer(key, value, summary_writer):
+        text = REDACTED if is_secret_name(str(key)) else redact_value(str(value), REDACTED)
+        for secret in planted:
+            text = text.replace(secret, REDACTED)
+        return add_text(key, text, summary_writer)
+
     initialize_summary_writer.rkit_hooked = True  # type: ignore[attr-defined]
     max_utils.initialize_summary_writer = initialize_summary_writer
+    max_utils.add_text_to_summary_writer = add_text_to_summary_writer
 
 
 def after_initialize(then: Callable[[], None]) -> None:
