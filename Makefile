@@ -62,7 +62,7 @@ test-slurm: setup-dev apptainer slurm-testbed
 	$(PY) -m pytest -m slurm $(PYTEST_ARGS)
 
 # An image into the content-addressed cache (~/.cache/rkit/images); an unchanged key returns at once.
-# MIRROR=... overrides the cpu image's Debian mirror (default: the dated snapshot in containers/cpu.def).
+# MIRROR=... overrides the Debian mirror of the cpu and cuda images (default: the dated snapshot in their .def).
 image: setup apptainer
 	$(VENV)/bin/rkit image build $(FLAVOR) $(if $(MIRROR),--build-arg MIRROR=$(MIRROR))
 
@@ -70,10 +70,12 @@ lint: setup-dev
 	$(VENV)/bin/ruff check launch tests
 
 # Re-resolve the locks (needs PyPI). uv itself comes from a hash-pinned lock too. The cpu lock is universal
-# (Python 3.12+, any platform: the laptop venv and the cpu image); rocm and cuda are for Python 3.12 on
-# x86_64 manylinux_2_28 (their base images). cpu.constraints.txt keeps the verified CPU set from drifting;
-# the ROCm plugin needs jax 0.12.0, so rocm takes those constraints without the jax pins.
+# (Python 3.12+, any platform: the laptop venv and the cpu image); cuda is for Debian trixie's Python 3.13 on
+# x86_64 manylinux_2_28 (the debootstrapped cuda image), rocm for Python 3.12 on the same platform (AMD's
+# base image). cpu.constraints.txt keeps the verified CPU set from drifting; the ROCm plugin needs jax 0.12.0,
+# so rocm takes those constraints without the jax pins.
 UV_COMPILE = .venv-lock/bin/uv pip compile --generate-hashes --python-version 3.12 --custom-compile-command "make lock"
+UV_COMPILE_313 = .venv-lock/bin/uv pip compile --generate-hashes --python-version 3.13 --custom-compile-command "make lock"
 lock:
 	@python=$$(ci/find-python) || exit 1; \
 	[ -x .venv-lock/bin/uv ] || { "$$python" -m venv .venv-lock && \
@@ -81,7 +83,7 @@ lock:
 	$(UV_COMPILE) --universal $(LOCKS)/cpu.in -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/cpu.txt
 	$(UV_COMPILE) --universal $(LOCKS)/dev.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/dev.txt
 	$(UV_COMPILE) --universal $(LOCKS)/bench.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/dev.txt -o $(LOCKS)/bench.txt
-	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 $(LOCKS)/cuda.in -c $(LOCKS)/cpu.constraints.txt \
+	$(UV_COMPILE_313) --python-platform x86_64-manylinux_2_28 $(LOCKS)/cuda.in -c $(LOCKS)/cpu.constraints.txt \
 	  -o $(LOCKS)/cuda.txt
 	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 $(LOCKS)/rocm.in \
 	  -c <(grep -v '^jax' $(LOCKS)/cpu.constraints.txt) -o $(LOCKS)/rocm.txt
