@@ -239,18 +239,21 @@ SUPERVISOR_TOKEN = "RKIT_SUPERVISOR_TOKEN"
 
 
 def watch_supervisor(environ: dict[str, str] | None = None,
-                     on_gone: Callable[[], None] | None = None) -> threading.Thread | None:
+                     on_gone: Callable[[], None] | None = None, lifeline: int | None = None) -> threading.Thread | None:
     """The local backend hands each rank the read end of a pipe whose write end only the supervisor holds,
     with a token written into it. EOF on it means the supervisor is gone (even by SIGKILL): this rank and
     everything in its process group stop, so no trainer outlives its supervisor. No pipe (Slurm: the batch job
     ends its steps with it), a closed descriptor or a wrong token: nothing is watched."""
     env = os.environ if environ is None else environ
-    try:
-        fd, token = int(env[SUPERVISOR_FD]), env[SUPERVISOR_TOKEN].encode()
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode) or os.read(fd, len(token)) != token:
+    if lifeline is not None:  # a standby (standby.py) read and checked the token already
+        fd = lifeline
+    else:
+        try:
+            fd, token = int(env[SUPERVISOR_FD]), env[SUPERVISOR_TOKEN].encode()
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode) or os.read(fd, len(token)) != token:
+                return None
+        except (KeyError, ValueError, OSError):
             return None
-    except (KeyError, ValueError, OSError):
-        return None
 
     def gone() -> None:
         sys.stderr.write("rkit: the supervisor is gone: stopping this rank\n")
@@ -286,25 +289,31 @@ def check_determinism(ctx: AgentContext, environ: dict[str, str] | os._Environ) 
     return lost
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
     os.umask(int(os.environ.get(UMASK_ENV, "077"), 8))  # the run's access, whatever reached this process
-    watch_supervisor()  # first: jax.distributed's set-up below may block for minutes
+    watch_supervisor(lifeline=lifeline)  # first: jax.distributed's set-up below may block for minutes
     ctx = AgentContext.from_env()
-    # When this process started (after any container runtime): splits restart latency into its parts.
-    ctx.run.emit(EV.AGENT_STARTED, attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid())
+    # When this process started (after any container runtime), or a standby took the rank: splits restart
+    # latency into its parts. A warm rank imported MaxText before the attempt (import_seconds: how long).
+    warm = os.environ.get("RKIT_WARM") == "1"
+    ctx.run.emit(EV.AGENT_STARTED, attempt=ctx.attempt, rank=ctx.rank, pid=os.getpid(), warm=warm,
+                 **({"standby_import_seconds": float(os.environ["RKIT_STANDBY_IMPORT_SECONDS"])} if warm else {}))
     if dropped := drop_maxtext_settings_from_env(os.environ):
         sys.stderr.write(f"rkit: ignored {', '.join(dropped)}: MaxText would read them as settings outside the "
                          "recipe; put them in trainer.overrides\n")
         ctx.run.emit(EV.AGENT_ENV_DROPPED, attempt=ctx.attempt, rank=ctx.rank, names=dropped)
-    bind_devices(ctx, os.environ)  # before jax is imported: it reads the visibility variables once
+    bind_devices(ctx, os.environ)  # before JAX starts a backend: it reads the visibility variables once
+    began = time.monotonic()
     init_distributed(ctx)
+    distributed = time.monotonic() - began
     write_env_manifest(ctx)
     start_node_services(ctx.run, ctx.attempt)  # health sampler + exporter; local rank 0 of a node only
     arm_stack_dumps(ctx)
     pump = MetricsPump(ctx).start()
     watch_preempt_request(ctx)
 
+    began = time.monotonic()
     from absl import app
     from maxtext.trainers.pre_train import train
 
@@ -315,6 +324,11 @@ def main(argv: list[str] | None = None) -> None:
         resolve_base_config,
         route_tensorboard,
     )
+
+    # Start-up's parts before MaxText's own (restore and compile, up to the first step): the imports (a warm
+    # rank's were done in its standby) and jax.distributed's set-up.
+    ctx.run.emit(EV.AGENT_READY, attempt=ctx.attempt, rank=ctx.rank, warm=warm,
+                 import_seconds=round(time.monotonic() - began, 3), distributed_seconds=round(distributed, 3))
 
     hook_the_train_loop(Injector(ctx, pump).at_step)
     route_tensorboard(ctx.run)

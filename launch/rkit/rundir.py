@@ -44,7 +44,9 @@ class EV:
     ATTEMPT_STACKS_DUMPED = "attempt.stacks_dumped"
     ATTEMPT_NO_NODES = "attempt.no_nodes"
     ATTEMPT_ENDED = "attempt.ended"
-    AGENT_STARTED = "agent.started"
+    AGENT_STARTED = "agent.started"  # a rank's agent began (warm: a standby took the rank)
+    AGENT_READY = "agent.ready"  # MaxText imported, jax.distributed set up: then restore and compile
+    STANDBY = "standby"  # a warm standby rank: started, ready, died, replaced, discarded (rank, pid)
     STOP_REQUESTED = "stop.requested"
     PREEMPT_REQUESTED = "preempt.requested"
     PREEMPT_SAVED = "preempt.saved"

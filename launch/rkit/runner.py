@@ -381,8 +381,11 @@ def execute(recipe: Recipe, *, image: ImageIdentity | None, resume: bool, inject
             container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
                                   binds=(str(run.path.resolve()), jax_cache), python=image.python,
                                   agent_path=bound_agent(run, image))
+        res = recipe.config.resources
+        warm = recipe.config.resilience.standby_on("local", res.processes_per_node * res.nodes, os.cpu_count())
         supervisor = Supervisor(run=run, config=recipe.config, injections=injections,
-                                backend=LocalBackend(container=container), base_env=training_env(recipe, image, host),
-                                host_env=host, image=image, jax_cache_dir=jax_cache, on_progress=on_progress)
+                                backend=LocalBackend(container=container, warm_standby=warm),
+                                base_env=training_env(recipe, image, host), host_env=host, image=image,
+                                jax_cache_dir=jax_cache, on_progress=on_progress)
         supervisor.install_signal_handlers()
         return run, supervisor.run_to_end()

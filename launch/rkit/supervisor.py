@@ -108,6 +108,13 @@ class Supervisor:
         return max(self.run.attempt_numbers(), default=0) + 1
 
     def run_to_end(self) -> RunState:
+        try:
+            return self._run_to_end()
+        finally:
+            if self.backend.standby is not None:
+                self.backend.standby.dismiss()
+
+    def _run_to_end(self) -> RunState:
         r = self.config.resilience
         budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit)
         events = self.run.events()
@@ -247,6 +254,11 @@ class Supervisor:
         while True:
             watch.read()
             exits = self.backend.poll(handle)
+            if self.backend.standby is not None:
+                if watch.first_step_seen:  # after the start-up: a standby's imports would slow it down
+                    self.backend.standby.fill()
+                for note in self.backend.standby.check():
+                    self.run.emit(EV.STANDBY, attempt=attempt, **note)
             if ending is None:
                 observed = self._observe(handle, watch, exits, sigterm_at)
                 ending = classify(observed)

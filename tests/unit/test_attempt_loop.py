@@ -68,6 +68,7 @@ class FakeBackend:
     """Implements the Backend protocol; trains one step per poll, commits every PERIOD steps."""
 
     name = "fake"
+    standby = None
 
     def __init__(self, run: RunDir, sup_ref: list, script: Script, nodes: tuple[str, ...] = ("n1", "n2", "n3"),
                  per_step: int = 2):

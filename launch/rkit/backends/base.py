@@ -86,6 +86,7 @@ class Handle:
 class Backend(Protocol):
     name: str
     exclude: list[str]  # nodes kept out of every later attempt (always empty where nodes cannot be chosen)
+    standby: Any  # a StandbyPool (backends/standby.py) where warm standbys are on, else None
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..rundir import RunDir, open_for_writing, write_atomic
 from . import gpu_health
 from .base import Handle, RankExit, wait_for_dump
+from .standby import StandbyPool
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,11 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, python: str | None = None, container: Container | None = None):
+    def __init__(self, python: str | None = None, container: Container | None = None, warm_standby: bool = False):
         self.python = python or sys.executable
         self.container = container
         self.exclude: list[str] = []
+        self.standby = StandbyPool(container is not None) if warm_standby else None
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,
@@ -127,6 +129,11 @@ class LocalBackend:
         try:
             for r in request.ranks:
                 r.log.parent.mkdir(parents=True, exist_ok=True)
+                if self.standby is not None and (warm := self.standby.take(r.rank, r.env)) is not None:
+                    self.standby.hand_over(warm, r.env, r.argv, r.log, self.container is not None)
+                    handle.procs[r.rank] = warm.proc
+                    handle.lifelines.append(warm.lifeline)
+                    continue
                 read_end, write_end = os.pipe()
                 handle.lifelines.append(write_end)
                 token = secrets.token_hex(16)
@@ -143,6 +150,8 @@ class LocalBackend:
         except OSError:
             self.stop(handle, grace=0)
             raise
+        if self.standby is not None:  # the next attempt's ranks: started once this one trains (StandbyPool.fill)
+            self.standby.remember(request.ranks, request.cwd)
         return handle
 
     def poll(self, handle: LocalAttempt) -> dict[int, RankExit]:

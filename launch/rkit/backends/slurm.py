@@ -264,6 +264,7 @@ class SlurmStepBackend:
     """Attempts as `srun` steps inside the batch job's allocation. Same interface as LocalBackend."""
 
     name = "slurm"
+    standby = None  # warm standbys are the local launcher's only (README: resilience.warm_standby)
 
     def __init__(self, *, nodes_per_step: int, tasks_per_node: int, container_launch: str = "apptainer",
                  sif: str | None = None, binds: tuple[str, ...] = (), gpu_flags: tuple[str, ...] = (),
