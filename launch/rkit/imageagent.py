@@ -8,9 +8,9 @@ the run directory (`<run>/agent/rkit/`, which every rank already sees: the run d
 container and checked on every node) and put on the ranks' PYTHONPATH, is all it takes. The copy is rewritten
 on every supervisor start, so the agent always matches the supervisor that reads its files.
 
-The probe runs the image's Python once per image file (memoised by digest): its path, version, whether it
-holds rkit's agent (the same files as this rkit's), JAX and MaxText, and which JAX plugin (cuda, rocm or none: the
-flavor of an image without rkit's labels, for `--nv` / `--rocm`).
+The probe runs the image's Python once per image (memoised by digest, in the image cache's probes/ folder):
+its path, version, whether it holds rkit's agent (the same files as this rkit's), JAX and MaxText, and which JAX
+plugin (cuda, rocm or none: the flavor of an image without rkit's labels, for `--nv` / `--rocm`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RkitError
-from .image import IMAGE_SIDE_FILES, sha256_tree
+from .image import IMAGE_SIDE_FILES, cache_dir, sha256_tree
+from .rundir import write_json_atomic
 
 IMAGE_PYTHONS = ("/opt/venv/bin/python", "python3")  # rkit's images first, then the image's own PATH
 AGENT_DIR = "agent"  # <run>/agent: holds the bound copy of the rkit package
@@ -67,6 +68,22 @@ def probe(apptainer: str, sif: str, sha256: str) -> dict[str, Any]:
     MaxText (nothing could train there)."""
     if sha256 in _probed:
         return _probed[sha256]
+    memo = cache_dir() / "probes" / f"{sha256.split(':')[-1]}.json"  # an image's content does not change
+    try:
+        found = json.loads(memo.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        found = _run_probe(apptainer, sif)
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(memo, found)
+        except OSError:
+            pass  # a read-only cache: probe again next time
+    found = {**found, "agent": "image" if found.get("rkit_agent_sha256") == sha256_tree(PACKAGE) else "bound"}
+    _probed[sha256] = found
+    return found
+
+
+def _run_probe(apptainer: str, sif: str) -> dict[str, Any]:
     tried = []
     for python in IMAGE_PYTHONS:
         try:
@@ -93,8 +110,6 @@ def probe(apptainer: str, sif: str, sha256: str) -> dict[str, Any]:
         raise RkitError(f"image {sif}: its Python ({found['python']}) has no {' and no '.join(missing)}; rkit "
                         "trains with MaxText on JAX inside the image. Use an image that holds both (e.g. "
                         "`make image FLAVOR=cpu`, or a vendor's MaxText image).")
-    found["agent"] = "image" if found.get("rkit_agent_sha256") == sha256_tree(PACKAGE) else "bound"
-    _probed[sha256] = found
     return found
 
 

@@ -140,3 +140,27 @@ def test_straggler_events_are_read_back():
     seen = straggler_events(events())
     assert seen == [{"attempt": 2, "node": "n3", "ratio": 1.9, "median": 1.9, "others_median": 1.0,
                      "t": T0 + 115}]
+
+
+def test_start_up_splits_into_launch_imports_distributed_set_up_and_compilation():
+    def ev(t: float, kind: str, **fields) -> dict:
+        return {"t": 1000.0 + t, "event": kind, **fields}
+
+    cold = [ev(0, "run.submitted"), ev(0, "attempt.started", attempt=1),
+            ev(2, "agent.started", attempt=1, rank=0), ev(3, "agent.started", attempt=1, rank=1),
+            ev(10, "agent.ready", attempt=1, rank=0, distributed_seconds=1.0, import_seconds=6.0),
+            ev(12, "agent.ready", attempt=1, rank=1, distributed_seconds=2.0, import_seconds=6.5),
+            ev(20, "attempt.first_step", attempt=1, rank=0), ev(20, "attempt.ended", attempt=1, cause="completed"),
+            ev(20, "run.finished")]
+    g = goodput.compute(cold, [], checkpoint_period=10)
+    assert {k: round(v, 6) for k, v in g.seconds.items() if v} == {"startup": 3.0, "import": 7.0, "distributed": 2.0,
+                                                                  "compile": 8.0}
+    # A warm rank: the standby takes the rank before the supervisor records attempt.started; nothing to import.
+    warm = [ev(0, "run.submitted"), ev(-0.1 + 1, "agent.started", attempt=1, rank=0),
+            ev(1, "attempt.started", attempt=1), ev(1.5, "agent.ready", attempt=1, rank=0, distributed_seconds=0.02),
+            ev(9, "attempt.first_step", attempt=1, rank=0), ev(9, "attempt.ended", attempt=1, cause="completed"),
+            ev(9, "run.finished")]
+    g = goodput.compute(warm, [], checkpoint_period=10)
+    assert g.seconds["startup"] == pytest.approx(0.0) and g.seconds["import"] == pytest.approx(0.48)
+    assert g.seconds["distributed"] == pytest.approx(0.02) and g.seconds["compile"] == pytest.approx(7.5)
+    assert g.seconds["other"] == pytest.approx(1.0)  # run.submitted -> attempt.started

@@ -31,7 +31,8 @@ def test_status_has_goodput_stragglers_and_nodes(run: RunDir):
     assert {n["node"]: (n["ranks"], n["last_step"]) for n in s["nodes"]} == {"n1": ([0], 19), "n3": ([1], 19)}
     json.dumps(s)  # --json prints it
     text = run_status.render_status(s)
-    assert "goodput    15.4% of 123.0 s; lost: hang waits 30.0 s, start-up and compilation 30.0 s, requeue" in text
+    assert ("goodput    15.4% of 123.0 s; lost: hang waits 30.0 s, start-up (processes, containers) 30.0 s, "
+            "requeue") in text
     assert "straggler  n3 in attempt 2: median step time 1.90x" in text
 
 

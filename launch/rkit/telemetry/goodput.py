@@ -7,8 +7,12 @@ nobody's loss and is not counted; a supervisor that died without a final word le
 
 Every second of the wall time goes to exactly one category, so the categories sum to the wall time:
 
-- startup: an attempt's `attempt.started` -> `attempt.first_step` (processes, imports, restore, compilation;
-  the first step's own time is in here too, it is mostly compilation).
+- an attempt's start-up, `attempt.started` -> `attempt.first_step`, in four parts when its ranks' agents said
+  when they started and were ready (agent.started, agent.ready; the slowest rank's times): startup (processes
+  and containers start, or standbys take the ranks) -> import (MaxText and what it imports; ~0 for a warm rank)
+  and distributed (jax.distributed's set-up, its share of agent.started -> agent.ready) -> compile (restore and
+  compilation: agent.ready -> the first step, whose own time is mostly compilation). Without those events all of
+  it is startup.
 - productive, checkpoint, recompute: from the first step to the attempt's last step, split by the times of the
   steps after the first on one rank (rank 0, or the lowest rank with lines in that attempt). A step's time is the
   gap between its line's `t` and the previous one's (gaps tile the window; MaxText's own step_time carries
@@ -43,7 +47,10 @@ from . import metrics
 
 CATEGORIES = {
     "productive": "productive training",
-    "startup": "start-up and compilation",
+    "startup": "start-up (processes, containers)",
+    "import": "imports (Python, JAX, MaxText)",
+    "distributed": "jax.distributed set-up",
+    "compile": "restore and compilation",
     "checkpoint": "checkpoint saves",
     "recompute": "recomputed steps",
     "hang": "hang waits",
@@ -53,7 +60,8 @@ CATEGORIES = {
     "shutdown": "final save and shutdown",
     "other": "other",
 }
-PRIORITY = ("hang", "teardown", "shutdown", "startup", "steps", "requeue", "queue")
+PRIORITY = ("hang", "teardown", "shutdown", "startup", "import", "distributed", "compile", "steps", "requeue",
+            "queue")
 SESSION_START = (EV.RUN_SUBMITTED, EV.RUN_RESUMED)
 SESSION_END = (EV.RUN_FINISHED, EV.RUN_GAVE_UP, EV.RUN_INTERRUPTED)
 
@@ -96,6 +104,9 @@ class _Attempt:
     cause: str | None = None
     hangs: list[tuple[float, float]] = field(default_factory=list)
     last_seen: float | None = None
+    agents_started: float | None = None  # the slowest rank's agent.started
+    agents_ready: float | None = None  # the slowest rank's agent.ready
+    distributed_seconds: float = 0.0  # the slowest rank's
 
 
 def run_goodput(run: RunDir, now: float | None = None, *, events: list[dict] | None = None,
@@ -230,7 +241,7 @@ def compute(events: Iterable[dict] | EventFold, lines: list[dict[str, Any]] | No
             shares = dict(mine.shares) if mine else {"productive": 0.0, "checkpoint": 0.0, "recompute": 0.0}
             last = mine.last_timed_t if mine and mine.last_timed_t is not None else first + sum(shares.values())
             last = min(max(last, first), end)
-            intervals.append((a.started, first, "startup"))
+            intervals.extend(_startup(a, first))
             shares["other"] = max(0.0, (last - first) - sum(shares.values()))
             intervals.append((first, last, f"steps:{len(steps_shares)}"))
             steps_shares.append(shares)
@@ -252,6 +263,17 @@ def compute(events: Iterable[dict] | EventFold, lines: list[dict[str, Any]] | No
         else:
             seconds[kind] += amount
     return Goodput(wall_seconds=wall, seconds=seconds, in_progress=live)
+
+
+def _startup(a: _Attempt, first: float) -> list[tuple[float, float, str]]:
+    """An attempt's start -> its first step, in its parts (see the module's docstring)."""
+    if a.agents_started is None or a.agents_ready is None:
+        return [(a.started, first, "startup")]
+    launched = min(max(a.agents_started, a.started), first)
+    ready = min(max(a.agents_ready, launched), first)
+    distributed = min(a.distributed_seconds, ready - launched)
+    return [(a.started, launched, "startup"), (launched, ready - distributed, "import"),
+            (ready - distributed, ready, "distributed"), (ready, first, "compile")]
 
 
 class Fold:
@@ -281,6 +303,7 @@ class EventFold(Fold):
     waiting: tuple[float, str] | None = None
     previous_t: float | None = None
     newest_t: float | None = None
+    agents: dict[int, dict[str, float]] = field(default_factory=dict)  # attempt -> agent times (before its start too)
 
     def feed(self, e: dict) -> None:
         kind, t = e.get("event"), e.get("t")
@@ -299,7 +322,14 @@ class EventFold(Fold):
             self.start = t
         # attempts
         n = e.get("attempt")
-        if n is not None:
+        if n is not None and kind in (EV.AGENT_STARTED, EV.AGENT_READY):
+            # A standby takes its rank before the supervisor records attempt.started: kept apart, by attempt.
+            mine = self.agents.setdefault(n, {})
+            key = "started" if kind == EV.AGENT_STARTED else "ready"
+            mine[key] = max(mine.get(key, t), t)
+            if kind == EV.AGENT_READY:
+                mine["distributed"] = max(mine.get("distributed", 0.0), float(e.get("distributed_seconds") or 0.0))
+        elif n is not None:
             if kind == EV.ATTEMPT_STARTED:
                 self.attempts[n] = _Attempt(number=n, started=t, last_seen=t)
             elif (a := self.attempts.get(n)) is not None:
@@ -339,6 +369,9 @@ class EventFold(Fold):
         out = []
         for number in sorted(self.attempts):
             a = replace(self.attempts[number])
+            agents = self.agents.get(number, {})
+            a.agents_started, a.agents_ready = agents.get("started"), agents.get("ready")
+            a.distributed_seconds = agents.get("distributed", 0.0)
             mine = steps.get(number)
             if mine is not None and mine.newest_t is not None:
                 a.last_seen = max(a.last_seen or mine.newest_t, mine.newest_t)
