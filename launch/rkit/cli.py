@@ -236,6 +236,20 @@ def image_verify(path: Path, expect: str) -> None:
     click.echo(f"{path}: {images.verify(path, expect)} OK")
 
 
+@image.command("diff")
+@click.argument("a")
+@click.argument("b")
+@json_option
+def image_diff(a: str, b: str, as_json: bool) -> None:
+    """What differs between two images: labels, Python and Debian packages, definition. Exit 0 when they hold
+    the same environment (the same file, or a rebuild), 1 when not."""
+    from . import imageenv
+
+    result = imageenv.diff_images(a, b)
+    click.echo(json.dumps(result, indent=2) if as_json else imageenv.render_diff(result))
+    sys.exit(0 if result["same_environment"] else 1)
+
+
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @json_option

@@ -326,6 +326,8 @@ class ImageIdentity:
     size_bytes: int = 0
     python: str = "/opt/venv/bin/python"  # the image's Python that runs the ranks (imageagent.probe)
     agent: str = "image"  # "image": its own rkit agent (the same files as this rkit's); "bound": rkit brings it
+    environment_sha256: str | None = None  # what it holds (imageenv.identity), beside the file digest
+    environment: dict[str, Any] | None = None  # build (Python, definition, lock), python and debian packages
 
     @property
     def gpu_flags(self) -> list[str]:
@@ -334,12 +336,34 @@ class ImageIdentity:
     def as_dict(self) -> dict[str, Any]:
         return {"kind": "sif", **asdict(self)}
 
-    def check_unchanged(self) -> None:
-        """Before every attempt: the SIF must be the one the run was stamped with."""
+    def check_unchanged(self) -> ImageIdentity | None:
+        """Before every attempt: the SIF must be the one the run was stamped with, or a rebuild of it that holds
+        the same environment (imageenv): None when the file is the same, the rebuilt image's identity when it
+        holds the same environment; else RkitError naming the packages that changed."""
         if not Path(self.path).is_file():
             raise RkitError(f"{self.path}: the run's image is gone (expected {self.sha256}); restore it or "
                             "rebuild it with the same definition and lock.")
-        verify(Path(self.path), self.sha256)
+        found = sha256_file(Path(self.path))
+        if found == self.sha256:
+            return None
+        try:
+            other = identify(self.reference, Path(self.path), found)
+        except RkitError as exc:
+            raise RkitError(f"{self.path}: image digest mismatch: expected {self.sha256}, found {found}, and its "
+                            f"environment could not be read ({exc}). Use the image the run was made with.") from None
+        return self.same_environment(other)
+
+    def same_environment(self, found: ImageIdentity) -> ImageIdentity:
+        """`found` (another file) when it holds this image's environment; else RkitError with what changed."""
+        from . import imageenv
+
+        if self.environment_sha256 and found.environment_sha256 == self.environment_sha256:
+            return found
+        what = (imageenv.describe(imageenv.changes(self.environment, found.environment)) if self.environment
+                else "unknown (the run recorded no environment for its image)")
+        raise RkitError(f"{found.path}: image digest mismatch: expected {self.sha256}, found {found.sha256}, and "
+                        f"it holds another environment: {what}. Use the image the run was made with (or one "
+                        "rebuilt from the same definition and lock), or accept the change explicitly.")
 
 
 def cached_records(flavor: str) -> list[dict[str, Any]]:
@@ -395,15 +419,18 @@ def locate(reference: str, want_sha256: str | None = None) -> Path | None:
 
 
 def identify(reference: str, path: Path, sha256: str | None = None) -> ImageIdentity:
+    from . import imageenv
     from .imageagent import probe
 
     found = labels(path)
     sha256 = sha256 or sha256_file(path)
     inside = probe(apptainer(), str(path), sha256)
+    env = imageenv.environment(inside, found)
     return ImageIdentity(reference=reference, path=str(path), sha256=sha256,
                          flavor=found.get(LABEL_PREFIX + "flavor") or inside["flavor"],
                          labels={k: v for k, v in sorted(found.items()) if k.startswith(LABEL_PREFIX)},
-                         size_bytes=path.stat().st_size, python=inside["python"], agent=inside["agent"])
+                         size_bytes=path.stat().st_size, python=inside["python"], agent=inside["agent"],
+                         environment_sha256=imageenv.identity(env), environment=env)
 
 
 def resolve(reference: str) -> ImageIdentity | None:

@@ -52,11 +52,27 @@ def tree():
             return None
         digest.update(name.encode() + b"\0" + data + b"\0")
     return "sha256:" + digest.hexdigest()
-names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in md.distributions()}
-vendor = ("cuda" if any(n.startswith("jax-cuda") for n in names) else
-          "rocm" if any(n.startswith("jax-rocm") for n in names) else "cpu")
+import re
+packages = {}
+for d in md.distributions():
+    if d.metadata["Name"]:
+        packages[re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower()] = d.version
+debian, stanza = {}, {}
+try:
+    status = open("/var/lib/dpkg/status", encoding="utf-8", errors="replace").read()
+except OSError:
+    status = ""
+for block in status.split("\n\n"):
+    stanza = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line and not line[:1].isspace())
+    if stanza.get("Package") and stanza.get("Status", "").endswith(" installed"):
+        arch = stanza.get("Architecture", "")
+        name = stanza["Package"] + (":" + arch if arch not in ("", "all", "amd64") else "")
+        debian[name] = stanza.get("Version", "")
+vendor = ("cuda" if any(n.startswith("jax-cuda") for n in packages) else
+          "rocm" if any(n.startswith("jax-rocm") for n in packages) else "cpu")
 print(json.dumps({"python": sys.executable, "flavor": vendor, "python_version": sys.version.split()[0],
-                  "rkit_agent_sha256": tree(),
+                  "rkit_agent_sha256": tree(), "packages": dict(sorted(packages.items())),
+                  "debian": dict(sorted(debian.items())),
                   "jax": version("jax"), "maxtext": bool(u.find_spec("maxtext") or u.find_spec("MaxText"))}))
 """
 
@@ -68,7 +84,7 @@ def probe(apptainer: str, sif: str, sha256: str) -> dict[str, Any]:
     MaxText (nothing could train there)."""
     if sha256 in _probed:
         return _probed[sha256]
-    memo = cache_dir() / "probes" / f"{sha256.split(':')[-1]}.json"  # an image's content does not change
+    memo = cache_dir() / "probes" / f"{sha256.split(':')[-1]}.v2.json"  # an image's content does not change
     try:
         found = json.loads(memo.read_text(encoding="utf-8"))
     except (OSError, ValueError):

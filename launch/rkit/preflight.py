@@ -12,7 +12,7 @@ from . import devices
 from .backends.base import Backend
 from .errors import RkitError
 from .image import ImageIdentity
-from .rundir import EV, JsonlTail, RunDir
+from .rundir import EV, JsonlTail, RunDir, write_json_atomic
 
 
 def shared_paths(run: RunDir, backend: Backend, image: ImageIdentity | None, attempt: int) -> None:
@@ -30,16 +30,26 @@ def shared_paths(run: RunDir, backend: Backend, image: ImageIdentity | None, att
         raise RkitError(reason)
 
 
-def image_unchanged(run: RunDir, image: ImageIdentity | None, attempt: int) -> None:
-    """Before every attempt: the SIF must be the one the run was stamped with (never silently run different
-    software)."""
+def image_unchanged(run: RunDir, image: ImageIdentity | None, attempt: int) -> ImageIdentity | None:
+    """Before every attempt: the SIF must be the one the run was stamped with, or a rebuild holding the same
+    environment (never silently run different software). Returns the image to run: a rebuilt one is recorded
+    (an `image.rebuilt` event and the manifest's `image_rebuilt` list: "rebuilt, same environment")."""
     if image is None:
-        return
+        return None
     try:
-        image.check_unchanged()
+        rebuilt = image.check_unchanged()
     except RkitError as exc:
         run.emit(EV.RUN_GAVE_UP, reason=f"image check failed before attempt {attempt}: {exc}")
         raise
+    if rebuilt is None:
+        return image
+    note = {"attempt": attempt, "path": rebuilt.path, "expected": image.sha256, "found": rebuilt.sha256,
+            "environment_sha256": rebuilt.environment_sha256, "verdict": "rebuilt, same environment"}
+    run.emit(EV.IMAGE_REBUILT, **note)
+    stamp = run.load_manifest()
+    stamp["image_rebuilt"] = [*stamp.get("image_rebuilt", []), note]
+    write_json_atomic(run.manifest, stamp)
+    return rebuilt
 
 
 def gpu_vendor(gpus_per_node: int, image: ImageIdentity | None) -> str | None:

@@ -46,6 +46,7 @@ class EV:
     ATTEMPT_ENDED = "attempt.ended"
     AGENT_STARTED = "agent.started"  # a rank's agent began (warm: a standby took the rank)
     AGENT_READY = "agent.ready"  # MaxText imported, jax.distributed set up: then restore and compile
+    IMAGE_REBUILT = "image.rebuilt"  # the SIF's bytes changed, its environment did not: the run goes on
     STANDBY = "standby"  # a warm standby rank: started, ready, died, replaced, discarded (rank, pid)
     STOP_REQUESTED = "stop.requested"
     PREEMPT_REQUESTED = "preempt.requested"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__, determinism, imageagent, manifest
+from . import __version__, determinism, imageagent, imageenv, manifest
 from .backends.local import Container, LocalBackend
 from .config import Config
 from .errors import RkitError, RunDirUnwritable
@@ -311,13 +311,24 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
     image = None
     if path is not None:
         found = sha256_file(path)
-        if expected and found != expected:
-            if not allow_drift:
-                raise RkitError(f"{src.path}: the image differs from the one the run used: expected {expected}, "
-                                f"found {found} ({path}). Restore that image, or pass --allow-drift to run anyway "
-                                "(the drift is recorded in the new manifest).")
-            extra["drift"] = {"image": {"expected": expected, "found": found, "path": str(path)}}
         image = identify(recipe.config.image, path, found)
+        if expected and found != expected:
+            recorded = stamp.get("image", {})
+            same = bool(recorded.get("environment_sha256")) and \
+                recorded.get("environment_sha256") == image.environment_sha256
+            changed = imageenv.changes(recorded.get("environment"), image.environment)
+            note = {"expected": expected, "found": found, "path": str(path),
+                    "environment_sha256": image.environment_sha256}
+            if same:
+                extra["rebuilt"] = {**note, "verdict": "rebuilt, same environment"}
+            elif not allow_drift:
+                what = (imageenv.describe(changed) if recorded.get("environment")
+                        else "unknown (the run recorded no environment for its image)")
+                raise RkitError(f"{src.path}: the image differs from the one the run used: expected {expected}, "
+                                f"found {found} ({path}); packages changed: {what}. Restore that image, or pass "
+                                "--allow-drift to run anyway (the drift is recorded in the new manifest).")
+            else:
+                extra["drift"] = {"image": note, "changed": changed}
     if recipe.config.launcher == "slurm":
         run = submit_slurm(recipe, image=image, resume=False, injections=[], extra_stamp=extra)
         return run, RunState.PENDING

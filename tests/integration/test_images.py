@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-from rkit.image import image_info, sha256_file
+from rkit.image import apptainer, image_info, sha256_file
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged
 
@@ -145,19 +146,44 @@ def test_reproduce_then_diff_shows_only_what_must_differ(image_run: RunDir, imag
     assert {c["key"] for c in result["groups"]["run"]} <= {"name", "path", "created", "injections", "recipe_source"}
 
 
-def test_reproduce_refuses_a_replaced_image(image_run: RunDir, image_workspace: Path):
+def test_a_rebuilt_image_is_the_same_environment_and_reproduce_goes_on(image_run: RunDir, image_workspace: Path,
+                                                                        cpu_image: Path):
+    # A rebuild: the same content in other bytes (the cpu image re-squashed with lz4).
+    rebuilt = image_workspace / "rebuilt.sif"
+    done = subprocess.run([apptainer(), "build", "--fakeroot", "--force", "--mksquashfs-args", "-comp lz4",
+                           str(rebuilt), str(cpu_image)], capture_output=True, text=True, timeout=1800, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sha256_file(rebuilt) != sha256_file(cpu_image)
+    diff = rkit("image", "diff", str(cpu_image), str(rebuilt))
+    assert diff.returncode == 0 and diff.stdout.strip().endswith("same environment (rebuilt)"), diff.stdout
+    os.replace(rebuilt, image_workspace / "tiny image.sif")
+    done = rkit("reproduce", str(image_run.path), "--name", "rebuilt", "--threshold", "10", cwd=image_workspace,
+                check=0)
+    again = RunDir(image_workspace / "runs" / "rebuilt")
+    stamp = again.load_manifest()
+    assert stamp["rebuilt"]["verdict"] == "rebuilt, same environment"
+    assert stamp["rebuilt"]["expected"] == image_run.load_manifest()["image"]["sha256"]
+    assert stamp["image"]["environment_sha256"] == image_run.load_manifest()["image"]["environment_sha256"]
+    assert merged(again, 0)[29]["loss"] == merged(image_run, 0)[29]["loss"]
+
+
+def test_reproduce_refuses_an_image_with_a_package_changed_and_names_it(image_run: RunDir, image_workspace: Path,
+                                                                         image_without_rkit: Path, cpu_image: Path):
     sif = image_workspace / "tiny image.sif"
     expected = image_run.load_manifest()["image"]["sha256"]
-    replacement = image_workspace / "replacement.sif"
-    shutil.copyfile(sif, replacement)
-    with open(replacement, "ab") as fh:
-        fh.write(b"rebuilt")
-    os.replace(replacement, sif)
+    shutil.copyfile(image_without_rkit, image_workspace / "replacement.sif")
+    os.replace(image_workspace / "replacement.sif", sif)
     found = sha256_file(sif)
     done = rkit("reproduce", str(image_run.path), "--name", "drifted", cwd=image_workspace)
     assert done.returncode == 2 and expected in done.stderr and found in done.stderr
+    assert "packages changed: python: rkit 0.1.0 -> (none)" in done.stderr, done.stderr
     assert "--allow-drift" in done.stderr and "Traceback" not in done.stderr
     assert not (image_workspace / "runs" / "drifted").exists()
+    diff = rkit("image", "diff", "--json", str(cpu_image), str(image_without_rkit))
+    result = json.loads(diff.stdout)
+    assert diff.returncode == 1 and not result["same_environment"]
+    assert result["groups"]["python"] == [{"key": "rkit", "a": "0.1.0", "b": None}]
+    assert "debian" not in result["groups"]  # the same Debian packages: only rkit was removed
 
 
 def test_missing_apptainer_or_image_fails_before_anything(image_workspace: Path, tmp_path: Path):
