@@ -176,7 +176,9 @@ def test_the_gpu_health_check_step_names_the_node_with_uncorrectable_ecc_errors(
                        'echo "77, python3, 00000000:07:00.0" ;;\n'
                        "esac\nexit 0\n")
         smi.chmod(0o755)
-        found, why = gpu_health.check(nodes, "nvidia", env=dict(env, PATH=f"{tools}:{env['PATH']}"))
+        # (The test bed's srun resets PATH inside the cluster: the tool is named by its path, as a site whose
+        # nvidia-smi is off the default PATH would.)
+        found, why = gpu_health.check(nodes, "nvidia", env=dict(env, RKIT_NVIDIA_SMI=str(smi)))
     finally:
         shutil.rmtree(tools, ignore_errors=True)
     assert why is None and len(nodes) == 3

@@ -48,3 +48,11 @@ def test_the_check_step_gives_each_node_its_own_lines():
 def test_a_check_that_cannot_run_says_why_and_fails_no_node(tmp_path):
     found, why = gpu_health.check(None, "nvidia", env={"PATH": str(tmp_path)})
     assert found == {} and "nvidia-smi could not run" in why
+
+
+def test_a_tool_off_the_path_is_named_by_its_variable(tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$1" in --query-gpu=*) echo "0, 2" ;; esac\n')
+    smi.chmod(0o755)
+    found, why = gpu_health.check(None, "nvidia", env={"PATH": "/nonexistent", "RKIT_NVIDIA_SMI": str(smi)})
+    assert why is None and found == {"localhost": "uncorrectable ECC errors on GPU 0 (2)"}

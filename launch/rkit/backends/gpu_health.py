@@ -10,6 +10,7 @@ Read with the vendor's command-line tool on the node itself, outside any contain
 - AMD: `amd-smi metric --ecc --json` and `amd-smi process --json`. Their JSON has changed between ROCm releases,
   so the parsers look for what does not change: numbers under keys that name uncorrectable errors, and process
   records with a `pid`.
+The tools are found on PATH (srun looks them up in the supervisor's), or where RKIT_NVIDIA_SMI / RKIT_AMD_SMI say.
 On Slurm each query is one job step with one task per node (`srun --label`, like the shared-path check); the
 local launcher runs it here. A query that cannot run (no tool on a node, the step refused) is a warning: the
 check must not be what stops a run.
@@ -18,6 +19,7 @@ check must not be what stops a run.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -98,6 +100,9 @@ def amd_processes(text: str) -> list[str]:
     return out
 
 
+# Where a site's tool is not on the default PATH (e.g. /opt/rocm/bin/amd-smi): its path in this variable.
+TOOL_ENV = {"nvidia": "RKIT_NVIDIA_SMI", "amd": "RKIT_AMD_SMI"}
+
 PARSERS = {("nvidia", "ecc"): nvidia_ecc, ("nvidia", "processes"): nvidia_processes,
            ("amd", "ecc"): amd_ecc, ("amd", "processes"): amd_processes}
 
@@ -143,7 +148,9 @@ def check(nodes: list[str] | None, vendor: str, *, timeout: float = 120,
     """({node: why its GPUs are unfit}, why the check was not made or None). `nodes` None: this host only
     (the local launcher), under the name "localhost"."""
     texts: dict[str, dict[str, str]] = {}
+    tool = (env if env is not None else os.environ).get(TOOL_ENV[vendor])
     for kind, query in QUERIES[vendor].items():
+        query = [tool, *query[1:]] if tool else query
         argv = query if nodes is None else step_argv(nodes, query)
         stdout, why = _run(argv, timeout, env)
         if why:
