@@ -42,7 +42,7 @@ def test_the_check_step_gives_each_node_its_own_lines():
     argv = gpu_health.step_argv(["a", "b"], gpu_health.QUERIES["nvidia"]["ecc"])
     assert argv[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=a,b", "--label"]
     assert argv[-3:] == gpu_health.QUERIES["nvidia"]["ecc"]
-    assert gpu_health.by_task(["a", "b"], "0: 0, 0\n1: 0, 5\n1: 1, 0\n") == {"a": "0, 0", "b": "0, 5\n1, 0"}
+    assert gpu_health.by_node(["a", "b"], "0: 0, 0\n1: 0, 5\n1: 1, 0\n") == {"a": "0, 0", "b": "0, 5\n1, 0"}
 
 
 def test_a_check_that_cannot_run_says_why_and_fails_no_node(tmp_path):

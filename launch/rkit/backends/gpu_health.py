@@ -25,7 +25,7 @@ import subprocess
 from collections.abc import Iterator
 from typing import Any
 
-from .shared_paths import LABEL
+from .shared_paths import by_task, per_node_argv
 
 QUERIES = {
     "nvidia": {
@@ -119,18 +119,12 @@ def verdict(vendor: str, ecc_text: str, processes_text: str) -> str | None:
 
 
 def step_argv(nodes: list[str], query: list[str]) -> list[str]:
-    return ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-            f"--nodelist={','.join(nodes)}", "--label", "--kill-on-bad-exit=0", "--job-name=rkit-gpu-health",
-            *query]
+    return per_node_argv(nodes, "rkit-gpu-health", query)
 
 
-def by_task(nodes: list[str], stdout: str) -> dict[str, str]:
-    """Each node's lines of a labelled step's output (task i on the i-th node, as in shared_paths)."""
-    out: dict[str, list[str]] = {node: [] for node in nodes}
-    for line in stdout.splitlines():
-        if (m := LABEL.match(line)) and int(m.group(1)) < len(nodes):
-            out[nodes[int(m.group(1))]].append(m.group(2))
-    return {node: "\n".join(lines) for node, lines in out.items()}
+def by_node(nodes: list[str], stdout: str) -> dict[str, str]:
+    """Each node's output of a query step, as the text its tool printed."""
+    return {node: "\n".join(lines) for node, lines in by_task(nodes, stdout).items()}
 
 
 def _run(argv: list[str], timeout: float, env: dict[str, str] | None) -> tuple[str | None, str | None]:
@@ -155,6 +149,6 @@ def check(nodes: list[str] | None, vendor: str, *, timeout: float = 120,
         stdout, why = _run(argv, timeout, env)
         if why:
             return {}, why
-        texts[kind] = {"localhost": stdout} if nodes is None else by_task(nodes, stdout)
+        texts[kind] = {"localhost": stdout} if nodes is None else by_node(nodes, stdout)
     return {node: why for node in texts["ecc"]
             if (why := verdict(vendor, texts["ecc"][node], texts["processes"].get(node, "")))}, None

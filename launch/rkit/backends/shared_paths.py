@@ -15,26 +15,35 @@ import subprocess
 LABEL = re.compile(r"^\s*(\d+):\s?(.*)$")
 
 
-def check_argv(nodes: list[str], paths: list[str]) -> list[str]:
+def per_node_argv(nodes: list[str], job_name: str, command: list[str]) -> list[str]:
+    """One job step running `command` once on each of `nodes`, its output labelled by task (this check's and
+    gpu_health's)."""
     return ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-            f"--nodelist={','.join(nodes)}", "--label", "--kill-on-bad-exit=0", "--job-name=rkit-shared-paths",
-            "stat", "--format=%n", "--", *paths]
+            f"--nodelist={','.join(nodes)}", "--label", "--kill-on-bad-exit=0", f"--job-name={job_name}", *command]
+
+
+def by_task(nodes: list[str], text: str) -> dict[str, list[str]]:
+    """Pure: each node's lines of a per-node step's labelled output (task i ran on the i-th node)."""
+    out: dict[str, list[str]] = {node: [] for node in nodes}
+    for line in text.splitlines():
+        if (m := LABEL.match(line)) and int(m.group(1)) < len(nodes):
+            out[nodes[int(m.group(1))]].append(m.group(2))
+    return out
+
+
+def check_argv(nodes: list[str], paths: list[str]) -> list[str]:
+    return per_node_argv(nodes, "rkit-shared-paths", ["stat", "--format=%n", "--", *paths])
 
 
 def unseen(nodes: list[str], paths: list[str], stdout: str, stderr: str) -> dict[str, list[str]]:
     """Pure: {node: [paths it could not see]} from the check step's labelled output. A node whose task printed
     neither its paths nor an error about them (its task did not start) cannot see any of them."""
-    seen: dict[int, set[str]] = {i: set() for i in range(len(nodes))}
-    missing: dict[int, list[str]] = {i: [] for i in range(len(nodes))}
-    for line in stdout.splitlines():
-        if (m := LABEL.match(line)) and int(m.group(1)) in seen:
-            seen[int(m.group(1))].add(m.group(2).strip())
-    for line in stderr.splitlines():
-        if (m := LABEL.match(line)) and int(m.group(1)) in missing:
-            missing[int(m.group(1))] += [p for p in paths if f"'{p}'" in m.group(2) or f"‘{p}’" in m.group(2)]
+    printed, errors = by_task(nodes, stdout), by_task(nodes, stderr)
     out: dict[str, list[str]] = {}
-    for i, node in enumerate(nodes):
-        lost = [p for p in paths if p in missing[i] or (p not in seen[i] and not missing[i])]
+    for node in nodes:
+        seen = {line.strip() for line in printed[node]}
+        missing = [p for line in errors[node] for p in paths if f"'{p}'" in line or f"‘{p}’" in line]
+        lost = [p for p in paths if p in missing or (p not in seen and not missing)]
         if lost:
             out[node] = lost
     return out
