@@ -276,11 +276,12 @@ def labels(path: Path) -> dict[str, str]:
 
 def image_info(path: Path) -> dict[str, Any]:
     """/etc/rkit/image.json from inside the image ({} for an image rkit did not build)."""
-    done = subprocess.run([apptainer(), "exec", "--cleanenv", "--no-home", str(path), "test", "-f",
-                           "/etc/rkit/image.json"], capture_output=True, check=False, timeout=300)
-    if done.returncode != 0:
-        return {}
-    return _apptainer_json("exec", "--cleanenv", "--no-home", str(path), "cat", "/etc/rkit/image.json")
+    try:
+        return _apptainer_json("exec", "--cleanenv", "--no-home", str(path), "cat", "/etc/rkit/image.json")
+    except RkitError as exc:
+        if "No such file or directory" in str(exc):  # cat's own complaint: one container start, not two
+            return {}
+        raise
 
 
 def _require_file(path: Path) -> Path:
@@ -357,10 +358,11 @@ class ImageIdentity:
         """`found` (another file) when it holds this image's environment; else RkitError with what changed."""
         from . import imageenv
 
-        if self.environment_sha256 and found.environment_sha256 == self.environment_sha256:
+        same, _, what = imageenv.compare({"environment_sha256": self.environment_sha256,
+                                          "environment": self.environment},
+                                         found.environment_sha256, found.environment)
+        if same:
             return found
-        what = (imageenv.describe(imageenv.changes(self.environment, found.environment)) if self.environment
-                else "unknown (the run recorded no environment for its image)")
         raise RkitError(f"{found.path}: image digest mismatch: expected {self.sha256}, found {found.sha256}, and "
                         f"it holds another environment: {what}. Use the image the run was made with (or one "
                         "rebuilt from the same definition and lock), or accept the change explicitly.")

@@ -48,6 +48,17 @@ def changes(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, lis
     return out
 
 
+def compare(recorded: dict[str, Any], found_sha256: str | None, found: dict[str, Any] | None
+            ) -> tuple[bool, dict[str, list[dict[str, Any]]], str]:
+    """A run's recorded image (its `environment_sha256` and `environment`) against an image found now: whether
+    it holds the same environment, what changed (`changes`), and that in one line (`describe`)."""
+    same = bool(recorded.get("environment_sha256")) and recorded.get("environment_sha256") == found_sha256
+    changed = changes(recorded.get("environment"), found)
+    what = (describe(changed) if recorded.get("environment")
+            else "unknown (the run recorded no environment for its image)")
+    return same, changed, what
+
+
 def describe(diff: dict[str, list[dict[str, Any]]], limit: int = 12) -> str:
     """One line: `python: rkit 0.1.0 -> (none), numpy 2.5.5 -> 2.5.4; debian: ...` (at most `limit` per group)."""
     parts = []

@@ -313,17 +313,13 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
         found = sha256_file(path)
         image = identify(recipe.config.image, path, found)
         if expected and found != expected:
-            recorded = stamp.get("image", {})
-            same = bool(recorded.get("environment_sha256")) and \
-                recorded.get("environment_sha256") == image.environment_sha256
-            changed = imageenv.changes(recorded.get("environment"), image.environment)
+            same, changed, what = imageenv.compare(stamp.get("image", {}), image.environment_sha256,
+                                                   image.environment)
             note = {"expected": expected, "found": found, "path": str(path),
                     "environment_sha256": image.environment_sha256}
             if same:
                 extra["rebuilt"] = {**note, "verdict": "rebuilt, same environment"}
             elif not allow_drift:
-                what = (imageenv.describe(changed) if recorded.get("environment")
-                        else "unknown (the run recorded no environment for its image)")
                 raise RkitError(f"{src.path}: the image differs from the one the run used: expected {expected}, "
                                 f"found {found} ({path}); packages changed: {what}. Restore that image, or pass "
                                 "--allow-drift to run anyway (the drift is recorded in the new manifest).")

@@ -130,7 +130,7 @@ class LocalBackend:
             for r in request.ranks:
                 r.log.parent.mkdir(parents=True, exist_ok=True)
                 if self.standby is not None and (warm := self.standby.take(r.rank, r.env)) is not None:
-                    self.standby.hand_over(warm, r.env, r.argv, r.log, self.container is not None)
+                    self.standby.hand_over(warm, r.env, r.argv, r.log)
                     handle.procs[r.rank] = warm.proc
                     handle.lifelines.append(warm.lifeline)
                     continue

@@ -154,11 +154,10 @@ class StandbyPool:
                             "reason": "not ready" if not standby.ready else "another environment"})
         return None
 
-    @staticmethod
-    def hand_over(standby: Standby, env: dict[str, str], argv: list[str], log: Path, container: bool) -> None:
+    def hand_over(self, standby: Standby, env: dict[str, str], argv: list[str], log: Path) -> None:
         """The rank's order: its environment (as the process sees it), MaxText arguments and log."""
         at = argv.index("rkit.agent")
-        order = {"env": {k: v for k, v in inside(env, container).items()
+        order = {"env": {k: v for k, v in inside(env, self.container).items()
                          if k not in ("RKIT_SUPERVISOR_FD", "RKIT_SUPERVISOR_TOKEN")},
                  "argv": argv[at + 1:], "log": str(log)}
         os.write(standby.lifeline, (json.dumps(order) + "\n").encode())
