@@ -56,10 +56,11 @@ class Resilience:
     hang_startup_seconds: float
     warm_standby: bool | str = "auto"  # standby ranks for the next attempt (backends/standby.py)
 
-    def standby_on(self, launcher: str, processes_per_node: int, cpus: int | None) -> bool:
-        """auto: on for the local launcher when the machine has 4 cores per rank or more (a standby imports
-        beside the live attempt: on fewer cores it slows the attempt more than it saves); Slurm: not yet."""
-        if launcher != "local" or self.warm_standby is False:
+    def standby_on(self, processes_per_node: int, cpus: int | None) -> bool:
+        """auto: on when a node (this machine, or the Slurm batch host's allocation) has 4 cores per rank or
+        more: a standby imports beside the live attempt, and on fewer cores that slows the attempt more than a
+        warm restart saves."""
+        if self.warm_standby is False:
             return False
         return self.warm_standby is True or (cpus or 1) >= 4 * processes_per_node
 

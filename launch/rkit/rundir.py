@@ -289,6 +289,10 @@ class RunDir:
     def launcher_log(self, attempt: int) -> Path:
         return self.attempt_dir(attempt) / self.launcher_log_name
 
+    def standby_step_dir(self, k: int) -> Path:
+        """standby/step-<k>/: a Slurm standby step's task logs and srun output (backends/slurm_standby.py)."""
+        return self.path / "standby" / f"step-{k}"
+
     def env_capture(self, attempt: int, rank: int) -> Path:
         """One rank's environment manifest, written by its agent."""
         return self.attempt_dir(attempt) / "env" / f"rank-{rank}.json"

@@ -239,7 +239,8 @@ def supervise(run_path: Path) -> RunState:
         container_launch=config.slurm.container_launch, sif=image.path if image else None,
         binds=(str(run.path.resolve()), jax_cache), gpu_flags=tuple(image.gpu_flags) if image else (),
         python=sys.executable, exclude=tuple(excluded), image_python=image.python if image else "/opt/venv/bin/python",
-        agent_path=bound_agent(run, image))
+        agent_path=bound_agent(run, image),
+        warm_standby=config.resilience.standby_on(res.processes_per_node, slurm.cpus_on_node()))
     lock = _acquire_with_patience(run)
     try:
         run.emit(EV.JOB_STARTED, job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
@@ -389,7 +390,7 @@ def execute(recipe: Recipe, *, image: ImageIdentity | None, resume: bool, inject
                                   binds=(str(run.path.resolve()), jax_cache), python=image.python,
                                   agent_path=bound_agent(run, image))
         res = recipe.config.resources
-        warm = recipe.config.resilience.standby_on("local", res.processes_per_node * res.nodes, os.cpu_count())
+        warm = recipe.config.resilience.standby_on(res.processes_per_node * res.nodes, os.cpu_count())
         supervisor = Supervisor(run=run, config=recipe.config, injections=injections,
                                 backend=LocalBackend(container=container, warm_standby=warm),
                                 base_env=training_env(recipe, image, host), host_env=host, image=image,

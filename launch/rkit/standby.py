@@ -1,7 +1,8 @@
 """A warm standby rank: a process that has already imported what does not depend on the rank or the coordinator
 (Python, JAX, MaxText's trainer, Orbax, the agent) and waits to become one rank of the next attempt.
 
-    python -m rkit.standby        (started by the local backend, backends/standby.py; never by hand)
+    python -m rkit.standby        (started by a backend, backends/standby.py or backends/slurm_standby.py;
+                                   never by hand)
 
 It touches no device: importing JAX initialises no backend (jax._src.xla_bridge has none until the first
 jax.devices() or computation), so a standby holds no GPU and can sit beside a live attempt. The supervisor's
@@ -12,6 +13,12 @@ line (the supervisor is gone, or dismissed its standbys) ends it quietly.
 
 Before waiting it writes one byte to RKIT_STANDBY_READY_FD: the backend hands over only to a standby that said it
 is ready (one that died or hung while importing is replaced, never counted as a training failure).
+
+On Slurm (RKIT_STANDBY_ADDRESS set) the standbys are the tasks of one job step beside the live attempt, and an
+attempt's processes cannot be handed a pipe: each task connects to the supervisor's address once its imports are
+done, says `<token> <task> <pid> <seconds>` (that line is its ready), and waits on the connection for the same
+JSON line, with the attempt's directory instead of a log (the task's log is its rank's log there). EOF first (the
+supervisor is gone or dismissed the step) ends it quietly.
 
 Image side: imports only the standard library, rkit's agent and what MaxText imports.
 """
@@ -25,6 +32,8 @@ import time
 from pathlib import Path
 
 READY_FD = "RKIT_STANDBY_READY_FD"
+ADDRESS = "RKIT_STANDBY_ADDRESS"  # host:port of the supervisor's standby listener (Slurm)
+TOKEN = "RKIT_STANDBY_TOKEN"
 IMPORT_SECONDS = "RKIT_STANDBY_IMPORT_SECONDS"  # how long the standby's imports took (agent.started reports it)
 WARM = "RKIT_WARM"  # set in the rank's environment when it started as a standby
 
@@ -54,7 +63,50 @@ def read_line(fd: int) -> bytes | None:
     return data
 
 
+def take_order(order: dict, log_path: Path, seconds: float, lifeline: int | None = None) -> int:
+    """Become the rank the order describes: its log, its environment (a value of None unsets), then the agent."""
+    from .rundir import open_for_writing
+
+    log = open_for_writing(log_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    for name, value in order["env"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    os.environ.update({WARM: "1", IMPORT_SECONDS: f"{seconds:.3f}"})
+    from . import agent
+
+    agent.main(order["argv"], lifeline=lifeline)
+    return 0
+
+
+def main_on_slurm() -> int:
+    import socket
+
+    host, _, port = os.environ.pop(ADDRESS).rpartition(":")
+    token = os.environ.pop(TOKEN)
+    task = int(os.environ["SLURM_PROCID"])
+    seconds = warm_up()
+    with socket.create_connection((host, int(port)), timeout=120) as conn:
+        conn.settimeout(None)
+        conn.sendall(f"{token} {task} {os.getpid()} {seconds:.3f}\n".encode())
+        line = read_line(conn.fileno())
+    if line is None:
+        return 0  # dismissed
+    order = json.loads(line)
+    from .rundir import RunDir
+
+    return take_order(order, Path(order["attempt_dir"]) / RunDir.rank_log_name(task), seconds)
+
+
 def main() -> int:
+    if ADDRESS in os.environ:
+        return main_on_slurm()
     fd, token = int(os.environ["RKIT_SUPERVISOR_FD"]), os.environ["RKIT_SUPERVISOR_TOKEN"].encode()
     if os.read(fd, len(token)) != token:
         return 3
@@ -66,20 +118,7 @@ def main() -> int:
     if line is None:
         return 0  # dismissed
     order = json.loads(line)
-    from .rundir import open_for_writing
-
-    log = open_for_writing(Path(order["log"]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.update(order["env"])
-    os.environ.update({WARM: "1", IMPORT_SECONDS: f"{seconds:.3f}"})
-    from . import agent
-
-    agent.main(order["argv"], lifeline=fd)
-    return 0
+    return take_order(order, Path(order["log"]), seconds, lifeline=fd)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import Config
@@ -24,6 +24,7 @@ from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
 from ..stamp import redact
 from . import gpu_health, shared_paths
 from .base import Handle, NotEnoughNodes, RankExit, wait_for_dump
+from .slurm_standby import SlurmStandbyPool
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
 # come from.
@@ -146,6 +147,12 @@ def _run(argv: list[str], timeout: float = 30) -> str:
     return done.stdout if done.returncode == 0 else ""
 
 
+def cpus_on_node() -> int | None:
+    """The CPUs this job has on this node (SLURM_CPUS_ON_NODE in the batch step), else this machine's."""
+    value = os.environ.get("SLURM_CPUS_ON_NODE", "")
+    return int(value) if value.isdigit() else os.cpu_count()
+
+
 def hostnames(nodelist: str) -> list[str]:
     out = _run(["scontrol", "show", "hostnames", nodelist])
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -231,6 +238,11 @@ class StepRequest:
 class StepHandle(Handle):
     request: StepRequest | None = None
     proc: subprocess.Popen | None = None
+    step_name: str = ""  # the job step's name: attempt-<n>, or the standby step's that became the attempt
+
+    def __post_init__(self) -> None:
+        if not self.step_name and self.request is not None:
+            self.step_name = f"attempt-{self.request.attempt}"
 
     def pids(self) -> dict[str, int]:
         return {"srun": self.proc.pid}
@@ -264,12 +276,12 @@ class SlurmStepBackend:
     """Attempts as `srun` steps inside the batch job's allocation. Same interface as LocalBackend."""
 
     name = "slurm"
-    standby = None  # warm standbys are the local launcher's only (README: resilience.warm_standby)
 
     def __init__(self, *, nodes_per_step: int, tasks_per_node: int, container_launch: str = "apptainer",
                  sif: str | None = None, binds: tuple[str, ...] = (), gpu_flags: tuple[str, ...] = (),
                  python: str | None = None, exclude: tuple[str, ...] = (),
-                 image_python: str = "/opt/venv/bin/python", agent_path: str | None = None):
+                 image_python: str = "/opt/venv/bin/python", agent_path: str | None = None,
+                 warm_standby: bool = False):
         self.nodes_per_step = nodes_per_step
         self.tasks_per_node = tasks_per_node
         self.container_launch = container_launch
@@ -280,6 +292,9 @@ class SlurmStepBackend:
         self.exclude = list(exclude)
         self.image_python = image_python  # the image's Python (imageagent.probe)
         self.agent_path = agent_path  # an image without rkit's agent: the bound copy's directory
+        # The next attempt's step, started beside the live one (slurm_standby.py); reached at this node's address.
+        self.standby = SlurmStandbyPool(self._cancel_step, node_address(
+            os.environ.get("SLURMD_NODENAME") or socket.gethostname())) if warm_standby else None
 
     def allocation(self) -> list[str]:
         return hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]
@@ -332,6 +347,15 @@ class SlurmStepBackend:
 
     def submit(self, request: StepRequest) -> StepHandle:
         request.log.parent.mkdir(parents=True, exist_ok=True)
+        if self.standby is not None:
+            self.standby.remember(request)  # the next standby step is this attempt's, once it trains
+            if (warm := self.standby.take(request)) is not None:
+                self.standby.hand_over(warm, request, request.log.parent)
+                try:  # srun's output (its task-failure lines) under the attempt's name too
+                    os.link(warm.launcher_log, request.log)
+                except OSError:
+                    request = replace(request, log=warm.launcher_log)
+                return StepHandle(request=request, proc=warm.proc, step_name=warm.name)
         with os.fdopen(open_for_writing(request.log), "ab") as log:
             proc = subprocess.Popen(request.argv, env=request.env, cwd=request.cwd, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -383,27 +407,20 @@ class SlurmStepBackend:
         if sig == signal.SIGTERM:
             self.request_save(handle)
             return
-        job_id = os.environ.get("SLURM_JOB_ID")
-        step = self._step_id(handle)
-        if job_id and step is not None:
-            # Cancel the step: Slurm terminates every task (and the container runtime's kill/delete hooks run).
-            subprocess.run(["scancel", f"{job_id}.{step}"], capture_output=True, check=False)
-        else:
-            try:
-                os.killpg(handle.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        self._cancel_step(handle.step_name, handle.proc, sig)
 
-    def _step_id(self, handle: StepHandle) -> str | None:
-        job_id = os.environ.get("SLURM_JOB_ID")
-        if not job_id:
-            return None
-        out = _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"])
-        for line in out.splitlines():
-            step, _, name = line.partition("|")
-            if name.strip() == f"attempt-{handle.request.attempt}":
-                return step.split(".")[-1]
-        return None
+    @staticmethod
+    def _cancel_step(name: str, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        """Cancel the job step `name`: Slurm terminates every task (and the container runtime's kill/delete hooks
+        run). Outside a job (or before squeue lists the step), `sig` to its srun's process group."""
+        job_id, step = os.environ.get("SLURM_JOB_ID"), _step_id(name)
+        if job_id and step is not None:
+            subprocess.run(["scancel", f"{job_id}.{step}"], capture_output=True, check=False)
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def stop(self, handle: StepHandle, grace: float, sig: int = signal.SIGTERM) -> None:
         if grace > 0:
@@ -441,7 +458,7 @@ class SlurmStepBackend:
         """SIGQUIT to every task of the step (the agents' faulthandler writes stacks/rank-<r>.txt), then SIGCONT
         (a stopped task dumps once it runs); returns once every rank's dump is written (at most 2 s), so that the
         kill that follows comes before a continued task could train on."""
-        job_id, step = os.environ.get("SLURM_JOB_ID"), self._step_id(handle)
+        job_id, step = os.environ.get("SLURM_JOB_ID"), _step_id(handle.step_name)
         if not job_id or step is None or handle.proc.poll() is not None:
             return "none (the step is gone)"
         dumps = [out_dir / RunDir.stacks_file_name(r) for r in range(handle.request.processes)]
@@ -451,6 +468,18 @@ class SlurmStepBackend:
         for dump, size in zip(dumps, before, strict=True):
             wait_for_dump(dump, size)
         return "faulthandler (SIGQUIT through scancel; the agents write stacks/rank-<r>.txt)"
+
+
+def _step_id(name: str) -> str | None:
+    """The id of this job's step named `name` (squeue), None when there is none."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    for line in _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"]).splitlines():
+        step, _, named = line.partition("|")
+        if named.strip() == name:
+            return step.split(".")[-1]
+    return None
 
 
 def _ranks(spec: str) -> list[int]:
