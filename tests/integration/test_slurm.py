@@ -279,6 +279,46 @@ def test_supervisor_sigkill_ends_the_job_and_its_steps_and_resume_finishes(clust
     assert final_loss(run) == final_loss(clean_run)
 
 
+def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(cluster, slurm_workspace, cpu_image,
+                                                                             clean_run: RunDir):
+    # Rank 1 stops itself at step 15 (hang detection off); once the standby step beside the attempt says it is
+    # ready, the test kills that rank: a task failure, the same nodes, and the next attempt is the standby step.
+    import psutil
+
+    run = submit(cluster, slurm_workspace, "warm", cpu_image, "-o", "resilience.warm_standby=true",
+                 "-o", "resilience.hang_timeout=null", "--inject", "hang:rank=1,step=15")
+
+    def notes(what: str) -> list[dict]:
+        return [e for e in run.events() if e["event"] == "standby" and e["what"] == what] \
+            if run.events_file.exists() else []
+
+    ready = wait_until(lambda: notes("ready"), 600, "the standby step ready")[0]
+    mark = f"base_output_directory={run.path.resolve()}"
+
+    def hung_rank() -> psutil.Process | None:
+        return next((p for p in psutil.process_iter(["cmdline", "status"]) if p.info["status"] ==
+                     psutil.STATUS_STOPPED and mark in (p.info["cmdline"] or [])), None)
+
+    wait_until(hung_rank, 600, "rank 1 stopped at step 15").kill()
+    s = wait_finished(cluster, run)
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]][-1] == "completed"
+    assert len(s["attempts"]) == 2, s["attempts"]
+    taken = notes("taken")
+    assert [t["step"] for t in taken] == [ready["step"]] and taken[0]["pids"] == ready["pids"]
+    events = run.events()
+    started = {str(e["rank"]): e for e in events if e["event"] == "agent.started" and e["attempt"] == 2}
+    assert {r: e["pid"] for r, e in started.items()} == ready["pids"]  # the resumed ranks are the standby tasks
+    assert all(e["warm"] for e in started.values())
+    assert all(e["warm"] and e["import_seconds"] < 1 for e in events
+               if e["event"] == "agent.ready" and e["attempt"] == 2)
+    first, second = (json.loads((run.attempt_dir(a) / "attempt.json").read_text()) for a in (1, 2))
+    assert first["nodes"] == second["nodes"]
+    assert (run.attempt_dir(2) / "srun.log").is_file() and (run.attempt_dir(2) / "rank-1.log").is_file()
+    ended = [e for e in events if e["event"] == "attempt.ended"]
+    assert ended[0]["decision"] == "restart" and ended[0]["tally"]["infra_failures"] == 0
+    assert final_loss(run) == final_loss(clean_run)
+
+
 def crash_when_at_step(cluster, run: RunDir, step: int, which: int) -> tuple[str, float]:
     """Crash node `which` of attempt 1's step once rank 0 is past `step`; returns the node and the time."""
     wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= step, 600,

@@ -1,0 +1,69 @@
+"""What an image adds to a run's start and to a restart, measured side by side in one session.
+
+    python tests/benchmarks/image_start.py SIF [--repeats 3] [--steps 40] [--kill-step 30]
+
+Each repeat runs the tiny recipe twice, interleaved: without an image (the host's venv) and inside SIF, each with
+`--inject kill:rank=1,step=K` and warm standbys off, and reads the clock and the events:
+  start         = `rkit run` launched -> first trained step (the image's digest, its probe, the stamp, the
+                  container start and everything a run without an image does too)
+  stamp         = `rkit run` launched -> attempt.started (recipe, image identity, manifests)
+  restart       = failure noticed -> first step of the resumed attempt (the image check between attempts and
+                  the container start are in it)
+  launch        = failure noticed -> the new ranks' agent.started (process or container start)
+The last lines are the medians' differences, image minus none: `start +<s>` and `restart +<s>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchruns import TINY, events, first
+
+
+def measure(workdir: Path, name: str, steps: int, kill_step: int, image: str) -> dict[str, float]:
+    launched = time.time()
+    subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(TINY), "--quiet", "-o", f"name={name}",
+                    "-o", f"trainer.steps={steps}", "-o", "checkpoint.period=10", "-o", f"image={image}",
+                    "-o", "resilience.warm_standby=false", "--inject", f"kill:rank=1,step={kill_step}"],
+                   cwd=workdir, check=True, capture_output=True)
+    evs = events(workdir / "runs" / name)
+    failed = first(evs, "attempt.failed", attempt=1)["t"]
+    return {
+        "start": first(evs, "attempt.first_step", attempt=1)["t"] - launched,
+        "stamp": first(evs, "attempt.started", attempt=1)["t"] - launched,
+        "restart": first(evs, "attempt.first_step", attempt=2)["t"] - failed,
+        "launch": max(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2) - failed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("image")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--kill-step", type=int, default=30)
+    args = parser.parse_args()
+    modes = {"none": "none", "image": str(Path(args.image).resolve())}
+    rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    with tempfile.TemporaryDirectory(prefix="rkit-bench-") as tmp:
+        for i in range(args.repeats):
+            for mode, image in modes.items():
+                row = measure(Path(tmp), f"bench-{mode}-{i}", args.steps, args.kill_step, image)
+                rows[mode].append(row)
+                print(f"{mode} repeat {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    medians = {mode: {k: statistics.median(x[k] for x in r) for k in r[0]} for mode, r in rows.items()}
+    for mode, m in medians.items():
+        print(f"{mode} median of {args.repeats}: " + ", ".join(f"{k} {v:.2f} s" for k, v in m.items()))
+    for key in ("stamp", "launch", "start", "restart"):
+        print(f"{key} +{medians['image'][key] - medians['none'][key]:.2f} s "
+              f"(image / none {medians['image'][key] / medians['none'][key]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
