@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 FLAVOR ?= cpu
 MIRROR ?=
 
-.PHONY: setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed
+.PHONY: lock-python lock-debian setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-python
@@ -76,7 +76,13 @@ lint: setup-dev
 # so rocm takes those constraints without the jax pins.
 UV_COMPILE = .venv-lock/bin/uv pip compile --generate-hashes --python-version 3.12 --custom-compile-command "make lock"
 UV_COMPILE_313 = .venv-lock/bin/uv pip compile --generate-hashes --python-version 3.13 --custom-compile-command "make lock"
-lock:
+lock: lock-python lock-debian
+
+# The Debian packages of the cpu image as the mirror gives them now (a cpu image build): containers/lock/cpu.debian.txt.
+lock-debian: setup apptainer
+	$(VENV)/bin/rkit image build cpu --refresh-debian-lock $(if $(MIRROR),--build-arg MIRROR=$(MIRROR))
+
+lock-python:
 	@python=$$(ci/find-python) || exit 1; \
 	[ -x .venv-lock/bin/uv ] || { "$$python" -m venv .venv-lock && \
 	  .venv-lock/bin/pip install --quiet --require-hashes -r $(LOCKS)/tools.txt; } || exit 1

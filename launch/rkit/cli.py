@@ -190,7 +190,10 @@ def image() -> None:
               help="Override a build argument of the definition (e.g. MIRROR=http://deb.debian.org/debian).")
 @click.option("--force", is_flag=True, help="Rebuild even if the cache has this key.")
 @click.option("--verbose", is_flag=True, help="Echo apptainer's build output.")
-def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: bool) -> None:
+@click.option("--refresh-debian-lock", is_flag=True,
+              help="Take the Debian packages the mirror gives now as containers/lock/FLAVOR.debian.txt (make lock).")
+def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: bool,
+                refresh_debian_lock: bool) -> None:
     """Build FLAVOR into the content-addressed image cache (an unchanged key is not rebuilt)."""
     from . import image as images
 
@@ -200,6 +203,9 @@ def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: 
         if not sep or not key:
             raise RkitError(f"--build-arg {item!r}: expected NAME=VALUE.")
         overrides[key] = value
+    if refresh_debian_lock:
+        click.echo(f"rkit: wrote {images.refresh_debian_lock(flavor, overrides, force=force)}", err=True)
+        return
     plan = images.plan_build(flavor, overrides, log=lambda line: click.echo(line, err=True))
     click.echo(f"rkit: image {flavor}, key {plan.key}", err=True)
     record = images.build(plan, force=force, echo=(lambda line: click.echo(line, err=True)) if verbose else

@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, imagerepro
 from .errors import RkitError
+from .rundir import write_atomic
 from .stamp import canonical_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +65,8 @@ def sha256_file(path: Path) -> str:
 # The part of rkit that runs inside an image (the agent and what it imports, and the build-time writer of
 # /etc/rkit/image.json). Only these files are in the cache key: a change to the host-side CLI, supervisor or
 # backends does not rebuild images. tests/unit/test_container_definitions.py checks this list is complete.
-IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "config.py", "defaults.py", "determinism.py", "devices.py", "errors.py",
+IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "config.py", "debianlock.py", "defaults.py", "determinism.py",
+                    "devices.py", "envscan.py", "errors.py",
                     "imageinfo.py", "inject.py", "manifest.py", "rundir.py", "schema/recipe.schema.json", "stamp.py",
                     "standby.py",
                     "telemetry/__init__.py",
@@ -145,6 +147,12 @@ ANY_MIRROR = "http://mirror.invalid/debian"  # a placeholder where the mirror do
 PLAIN_URL = re.compile(r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/+-]*)?$")
 
 
+def debian_lock_path(flavor: str) -> Path:
+    """The lock of the Debian packages a debootstrapped image installs (bases.json's debian_lock, in
+    containers/lock/; debianlock.py)."""
+    return containers_dir() / "lock" / bases()[flavor].get("debian_lock", f"{flavor}.debian.txt")
+
+
 def plan_build(flavor: str, overrides: dict[str, str] | None = None,
                log: Callable[[str], None] = lambda line: None) -> BuildPlan:
     if flavor not in FLAVORS:
@@ -165,7 +173,10 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None,
     else:
         base_reference, base_digest = base["reference"], base["digest"]
         args["BASE"] = f"{base_reference}@{base_digest}"
-    unknown = set(overrides or {}) - set(args)
+    declared = definition_arguments(definition)
+    unknown = set(overrides or {}) - set(args) - ({"DEBIAN_LOCK_MODE"} & set(declared))
+    if (overrides or {}).get("DEBIAN_LOCK_MODE", "check") not in ("check", "refresh"):
+        raise RkitError(f"--build-arg DEBIAN_LOCK_MODE={overrides['DEBIAN_LOCK_MODE']!r}: check or refresh.")
     if "MIRROR" in (overrides or {}) and not PLAIN_URL.fullmatch(overrides["MIRROR"]):
         raise RkitError(f"--build-arg MIRROR={overrides['MIRROR']!r}: give a plain http(s) URL of a Debian mirror "
                         "(letters, digits and ._~%/+- in the path; no credentials, spaces or quotes), e.g. "
@@ -177,9 +188,17 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None,
     def_sha, lock_sha = sha256_file(definition), sha256_file(lock)
     args.update({"FLAVOR": flavor, "DEF_SHA256": def_sha, "LOCK_SHA256": lock_sha,
                  "BASE_REFERENCE": base_reference, "BASE_DIGEST": base_digest, "RKIT_VERSION": __version__})
+    epoch = imagerepro.source_date_epoch(declared.get("MIRROR", ""))
+    args["BUILD_DATE"] = imagerepro.iso(epoch)  # the build's one time, not the clock (imagerepro)
+    if "SOURCE_DATE_EPOCH" in declared:
+        args["SOURCE_DATE_EPOCH"] = str(epoch)
     material = {"definition_sha256": def_sha, "lock_sha256": lock_sha, "base_reference": base_reference,
-                "base_digest": base_digest, "rkit_agent_sha256": sha256_tree(Path(__file__).resolve().parent),
-                "build_args": dict(sorted(args.items()))}
+                "base_digest": base_digest, "rkit_agent_sha256": sha256_tree(Path(__file__).resolve().parent)}
+    debian_lock = debian_lock_path(flavor)
+    if "DEBIAN_LOCK_SHA256" in declared:
+        args["DEBIAN_LOCK_SHA256"] = material["debian_lock_sha256"] = sha256_file(debian_lock)
+        args.setdefault("DEBIAN_LOCK_MODE", "check")
+    material["build_args"] = dict(sorted(args.items()))
     key = "sha256:" + hashlib.sha256(canonical_json(material).encode()).hexdigest()
     return BuildPlan(flavor, definition, lock, args, material, key)
 
@@ -192,6 +211,8 @@ CA_VARIABLES = ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
 
 def _stage_context(plan: BuildPlan, into: Path) -> None:
     shutil.copy2(plan.lock, into / "lock.txt")
+    debian_lock = debian_lock_path(plan.flavor)
+    (into / "debian.lock").write_bytes(debian_lock.read_bytes() if debian_lock.is_file() else b"")
     ca = next((os.environ[v] for v in CA_VARIABLES if os.path.isfile(os.environ.get(v, ""))), None)
     if ca:
         shutil.copy2(ca, into / "ca.pem")
@@ -221,14 +242,16 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
     with tempfile.TemporaryDirectory(prefix="rkit-build-", dir=plan.sif.parent) as tmp:
         context = Path(tmp)
         _stage_context(plan, context)
-        args = dict(plan.build_args, CONTEXT=str(context),
-                    BUILD_DATE=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        args = dict(plan.build_args, CONTEXT=str(context))
+        epoch = imagerepro.source_date_epoch(definition_arguments(plan.definition).get("MIRROR", ""))
         partial = context / "image.sif"
-        argv = [exe, "build", "--fakeroot", "--force"]
+        argv = [exe, "build", "--fakeroot", "--force", "--mksquashfs-args", imagerepro.mksquashfs_args(epoch)]
         for name, value in sorted(args.items()):
             argv += ["--build-arg", f"{name}={value}"]
         argv += [str(partial), str(plan.definition)]
         failed = None
+        before = os.environ.get("SOURCE_DATE_EPOCH")
+        os.environ["SOURCE_DATE_EPOCH"] = str(epoch)  # debootstrap's tools, and Apptainer >= 1.5 itself
         with open(log, "w", encoding="utf-8") as fh:
             fh.write(" ".join(argv) + "\n")
             try:
@@ -237,9 +260,15 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
                     echo(line.rstrip("\n"))
             except subprocess.CalledProcessError as exc:
                 failed = exc.returncode
+            finally:
+                if before is None:
+                    os.environ.pop("SOURCE_DATE_EPOCH", None)
+                else:
+                    os.environ["SOURCE_DATE_EPOCH"] = before
         if failed is not None:
             raise RkitError(f"apptainer build of {plan.definition.name} failed (exit {failed}); "
                             f"the last lines of {log}:\n{_tail(log)}")
+        imagerepro.normalize_sif(partial, epoch)
         os.replace(partial, plan.sif)  # atomic: the cache never holds half an image
     record = {"flavor": plan.flavor, "key": plan.key, "key_material": plan.key_material, "path": str(plan.sif),
               "sha256": sha256_file(plan.sif), "size_bytes": plan.sif.stat().st_size,
@@ -247,6 +276,20 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
     plan.record.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     record["cached"] = False
     return record
+
+
+def refresh_debian_lock(flavor: str, overrides: dict[str, str] | None = None, **build_options: Any) -> Path:
+    """`make lock`: build FLAVOR taking whatever Debian packages the mirror gives (DEBIAN_LOCK_MODE=refresh), then
+    write the image's own record of them (/etc/rkit/debian.lock) to containers/lock/<flavor>.debian.txt."""
+    plan = plan_build(flavor, {**(overrides or {}), "DEBIAN_LOCK_MODE": "refresh"})
+    record = build(plan, **build_options)
+    done = subprocess.run([apptainer(), "exec", "--cleanenv", "--no-home", record["path"], "cat",
+                           "/etc/rkit/debian.lock"], capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0 or not done.stdout.strip():
+        raise RkitError(f"{record['path']}: no /etc/rkit/debian.lock in it ({done.stderr.strip()[-300:]})")
+    target = debian_lock_path(flavor)
+    write_atomic(target, done.stdout)
+    return target
 
 
 def _tail(path: Path, lines: int = 15) -> str:

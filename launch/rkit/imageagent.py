@@ -30,14 +30,15 @@ IMAGE_PYTHONS = ("/opt/venv/bin/python", "python3")  # rkit's images first, then
 AGENT_DIR = "agent"  # <run>/agent: holds the bound copy of the rkit package
 PACKAGE = Path(__file__).resolve().parent
 
-# Run by the image's Python with the agent's file list as argv[1]: the image's rkit agent is used only when its
-# files hash as this rkit's do (image.sha256_tree: the same function, inlined; the version string alone says
-# nothing, it is the same for every build).
-PROBE = r"""
-import hashlib, importlib.metadata as md, importlib.util as u, json, os, sys
+# Run by the image's Python with the agent's file list as argv[1]: envscan.py's text (what the image holds, the
+# same code an image rkit builds labels itself with), then the image's own rkit agent, used only when its files
+# hash as this rkit's do (image.sha256_tree: the same function, inlined; the version string alone says nothing,
+# it is the same for every build).
+PROBE_MAIN = r"""
+import importlib.util as u, os, sys
 def version(name):
     try:
-        return md.version(name)
+        return metadata.version(name)
     except Exception:
         return None
 def tree():
@@ -52,29 +53,14 @@ def tree():
             return None
         digest.update(name.encode() + b"\0" + data + b"\0")
     return "sha256:" + digest.hexdigest()
-import re
-packages = {}
-for d in md.distributions():
-    if d.metadata["Name"]:
-        packages[re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower()] = d.version
-debian, stanza = {}, {}
-try:
-    status = open("/var/lib/dpkg/status", encoding="utf-8", errors="replace").read()
-except OSError:
-    status = ""
-for block in status.split("\n\n"):
-    stanza = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line and not line[:1].isspace())
-    if stanza.get("Package") and stanza.get("Status", "").endswith(" installed"):
-        arch = stanza.get("Architecture", "")
-        name = stanza["Package"] + (":" + arch if arch not in ("", "all", "amd64") else "")
-        debian[name] = stanza.get("Version", "")
+packages = python_packages()
 vendor = ("cuda" if any(n.startswith("jax-cuda") for n in packages) else
           "rocm" if any(n.startswith("jax-rocm") for n in packages) else "cpu")
 print(json.dumps({"python": sys.executable, "flavor": vendor, "python_version": sys.version.split()[0],
-                  "rkit_agent_sha256": tree(), "packages": dict(sorted(packages.items())),
-                  "debian": dict(sorted(debian.items())),
+                  "rkit_agent_sha256": tree(), "packages": packages, "debian": debian_packages(),
                   "jax": version("jax"), "maxtext": bool(u.find_spec("maxtext") or u.find_spec("MaxText"))}))
 """
+PROBE = (PACKAGE / "envscan.py").read_text(encoding="utf-8") + PROBE_MAIN
 
 _probed: dict[str, dict[str, Any]] = {}
 

@@ -15,25 +15,23 @@ still what the run records first.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
+from . import envscan
 from .image import LABEL_PREFIX
-from .stamp import canonical_json
 
 GROUPS = ("build", "python", "debian")
 
 
 def environment(found: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
     """The environment of an image from its probe (imageagent) and labels."""
-    return {"build": {"python_version": found.get("python_version"),
-                      "definition_sha256": labels.get(LABEL_PREFIX + "definition.sha256"),
-                      "lock_sha256": labels.get(LABEL_PREFIX + "lock.sha256")},
-            "python": dict(found.get("packages") or {}), "debian": dict(found.get("debian") or {})}
+    return envscan.environment(found.get("python_version"), found.get("packages") or {}, found.get("debian") or {},
+                               labels.get(LABEL_PREFIX + "definition.sha256"), labels.get(LABEL_PREFIX + "lock.sha256"),
+                               labels.get(LABEL_PREFIX + "debian-lock.sha256"))
 
 
 def identity(env: dict[str, Any]) -> str:
-    return "sha256:" + hashlib.sha256(canonical_json(env).encode()).hexdigest()
+    return envscan.identity(env)
 
 
 def changes(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, list[dict[str, Any]]]:

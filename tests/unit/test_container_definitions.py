@@ -120,7 +120,12 @@ def test_cache_key_covers_content_not_location():
     b = plan_build("cpu", {"MIRROR": "http://deb.debian.org/debian"})
     c = plan_build("cpu", {"MIRROR": "http://ftp.debian.org/debian"})
     assert a.key == b.key != c.key
-    assert "CONTEXT" not in a.key_material["build_args"] and "BUILD_DATE" not in a.key_material["build_args"]
+    assert "CONTEXT" not in a.key_material["build_args"]
+    # The build's one time is the snapshot date of the definition's mirror, not the clock: in the key like any
+    # other input (imagerepro), and so is the Debian lock.
+    assert a.key_material["build_args"]["BUILD_DATE"] == "2026-11-01T00:00:00Z"
+    assert a.key_material["build_args"]["SOURCE_DATE_EPOCH"] == "1793491200"
+    assert a.key_material["debian_lock_sha256"].startswith("sha256:")
     assert a.key_material["definition_sha256"].startswith("sha256:")
 
 
