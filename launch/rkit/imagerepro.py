@@ -46,7 +46,10 @@ def iso(epoch: int) -> str:
 
 
 def mksquashfs_args(epoch: int) -> str:
-    return f"-all-time {epoch} -mkfs-time {epoch}"
+    """The times, and zstd: a rank's imports read ~1 GB of the image (jaxlib, MaxText), decompressed again at every
+    container start. Measured (cpu image, import of JAX, Orbax and MaxText's trainer, median of 6): 11.8 s gzip
+    (Apptainer's default, 554 MB), 9.1 s zstd (501 MB), 8.4 s lz4 (778 MB), 7.3 s from the host's venv."""
+    return f"-comp zstd -all-time {epoch} -mkfs-time {epoch}"
 
 
 def normalize_sif(path: Path, epoch: int) -> dict[str, int]:

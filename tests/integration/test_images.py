@@ -79,6 +79,38 @@ def test_in_image_packages_equal_the_lock(cpu_image: Path):
     assert info["packages"]["rkit"] and info["definition_sha256"] == sha256_file(REPO / "containers" / "cpu.def")
 
 
+def test_the_images_environment_identity_inside_and_as_a_label_is_what_rkit_reads_from_it(cpu_image: Path):
+    from rkit.image import identify, labels
+
+    found = identify("cpu", cpu_image)
+    assert labels(cpu_image)["org.rkit.environment.sha256"] == found.environment_sha256
+    info = image_info(cpu_image)
+    assert info["environment_sha256"] == found.environment_sha256 and info["environment"] == found.environment
+    assert found.environment["build"]["debian_lock_sha256"] == sha256_file(
+        REPO / "containers" / "lock" / "debian-trixie.txt")
+    # The Debian packages are the lock's, and the image keeps its own record of them (with each .deb's digest).
+    from rkit import debianlock
+
+    locked = debianlock.parse((REPO / "containers" / "lock" / "debian-trixie.txt").read_text())
+    assert {name: version for name, (version, _) in locked.items()} == found.environment["debian"]
+    inside = subprocess.run([apptainer(), "exec", "--cleanenv", "--no-home", str(cpu_image), "cat",
+                             "/etc/rkit/debian.lock"], capture_output=True, text=True, check=True).stdout
+    assert debianlock.parse(inside) == locked
+
+
+def test_a_second_cold_build_of_the_same_inputs_is_the_same_bytes(cpu_image: Path, tmp_path: Path):
+    # Another cache: the same definition, locks and mirror, built from nothing (debootstrap, pip, squashfs).
+    from rkit import imagerepro
+
+    done = rkit("image", "build", "cpu", *MIRROR, env={"RKIT_IMAGE_CACHE": str(tmp_path / "cache")},
+                timeout=3600, check=0)
+    second = Path(done.stdout.strip().splitlines()[-1])
+    assert second.parent == tmp_path / "cache" and "built in" in done.stderr
+    first_objects, second_objects = imagerepro.objects(cpu_image), imagerepro.objects(second)
+    assert sha256_file(second) == sha256_file(cpu_image), (first_objects, second_objects)
+    assert first_objects["header"]["id"] == "0" * 32  # nil UUID, times at SOURCE_DATE_EPOCH
+
+
 def test_verify(cpu_image: Path):
     digest = sha256_file(cpu_image)
     assert rkit("image", "verify", str(cpu_image), "--expect", digest).returncode == 0
