@@ -195,7 +195,7 @@ def image() -> None:
 def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: bool,
                 refresh_debian_lock: bool) -> None:
     """Build FLAVOR into the content-addressed image cache (an unchanged key is not rebuilt)."""
-    from . import image as images
+    from . import imagebuild as images
 
     overrides = {}
     for item in build_args:

@@ -1,8 +1,7 @@
-"""Apptainer images: build (through spython) into a content-addressed cache, inspect, verify, resolve.
+"""Apptainer images: the content-addressed cache, inspect, verify, and what a run records about its image
+(ImageIdentity, checked before every attempt). Building is imagebuild.py.
 
-An image is identified by the sha256 of its SIF file. The cache key of a build is the sha256 of what goes
-into it: the definition file, the lock, the build arguments that change content, the base image digest,
-and the image-side part of rkit (rkit is installed in the image). An unchanged key is not rebuilt.
+An image is identified by the sha256 of its SIF file, and beside it by its environment identity (imageenv).
 """
 
 from __future__ import annotations
@@ -10,20 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
-import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, imagerepro
 from .errors import RkitError
-from .rundir import write_atomic
-from .stamp import canonical_json
 
 REPO = Path(__file__).resolve().parents[2]
 FLAVORS = ("cpu", "rocm", "cuda")
@@ -95,208 +87,6 @@ def containers_dir() -> Path:
 
 def bases() -> dict[str, Any]:
     return json.loads((containers_dir() / "bases.json").read_text(encoding="utf-8"))
-
-
-# ---------------------------------------------------------------- build
-
-
-@dataclass(frozen=True)
-class BuildPlan:
-    flavor: str
-    definition: Path
-    lock: Path
-    build_args: dict[str, str]
-    key_material: dict[str, Any]
-    key: str
-
-    @property
-    def sif(self) -> Path:
-        return cache_dir() / f"{self.flavor}-{self.key.split(':')[1][:16]}.sif"
-
-    @property
-    def record(self) -> Path:
-        return self.sif.with_suffix(".json")
-
-
-def definition_arguments(definition: Path) -> dict[str, str]:
-    """Defaults of a definition file's %arguments section (NAME=VALUE lines)."""
-    args: dict[str, str] = {}
-    section = None
-    for line in definition.read_text(encoding="utf-8").splitlines():
-        if line.startswith("%"):
-            section = line.split()[0]
-            continue
-        name, sep, value = line.strip().partition("=")
-        if section == "%arguments" and sep and name and not name.startswith("#"):
-            args[name] = value
-    return args
-
-
-def mirror_reachable(mirror: str, timeout: float = 10) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(mirror.rstrip("/") + "/dists/trixie/Release", timeout=timeout) as response:
-            return response.status == 200
-    except (OSError, ValueError):
-        return False
-
-
-# MIRROR is pasted into the definition's %post and header: only a plain URL, never a shell word or credentials.
-ANY_MIRROR = "http://mirror.invalid/debian"  # a placeholder where the mirror does not matter (.invalid: RFC 2606)
-PLAIN_URL = re.compile(r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%/+-]*)?$")
-
-
-def debian_lock_path(flavor: str) -> Path:
-    """The lock of the Debian packages a debootstrapped image installs (bases.json's debian_lock, in
-    containers/lock/; debianlock.py)."""
-    return containers_dir() / "lock" / bases()[flavor].get("debian_lock", f"{flavor}.debian.txt")
-
-
-def plan_build(flavor: str, overrides: dict[str, str] | None = None,
-               log: Callable[[str], None] = lambda line: None) -> BuildPlan:
-    if flavor not in FLAVORS:
-        raise RkitError(f"unknown image flavor {flavor!r}; use one of {', '.join(FLAVORS)}.")
-    root = containers_dir()
-    definition, lock = root / f"{flavor}.def", root / "lock" / f"{flavor}.txt"
-    base = bases()[flavor]
-    args: dict[str, str] = {}
-    if base["bootstrap"] == "debootstrap":
-        args["MIRROR"] = definition_arguments(definition)["MIRROR"]
-        if "MIRROR" not in (overrides or {}) and not mirror_reachable(args["MIRROR"]):
-            # The dated snapshot is what makes the build reproducible; where it cannot be reached, say so and
-            # use the plain mirror (recorded in the image's labels and in the cache key).
-            log(f"rkit: warning: the snapshot mirror {args['MIRROR']} is unreachable; building from "
-                f"{base['fallback_mirror']} instead (not reproducible; choose with --build-arg MIRROR=...)")
-            args["MIRROR"] = base["fallback_mirror"]
-        base_reference, base_digest = base["reference"], "none"
-    else:
-        base_reference, base_digest = base["reference"], base["digest"]
-        args["BASE"] = f"{base_reference}@{base_digest}"
-    declared = definition_arguments(definition)
-    unknown = set(overrides or {}) - set(args) - ({"DEBIAN_LOCK_MODE"} & set(declared))
-    if (overrides or {}).get("DEBIAN_LOCK_MODE", "check") not in ("check", "refresh"):
-        raise RkitError(f"--build-arg DEBIAN_LOCK_MODE={overrides['DEBIAN_LOCK_MODE']!r}: check or refresh.")
-    if "MIRROR" in (overrides or {}) and not PLAIN_URL.fullmatch(overrides["MIRROR"]):
-        raise RkitError(f"--build-arg MIRROR={overrides['MIRROR']!r}: give a plain http(s) URL of a Debian mirror "
-                        "(letters, digits and ._~%/+- in the path; no credentials, spaces or quotes), e.g. "
-                        f"{base.get('fallback_mirror', 'http://deb.debian.org/debian')}.")
-    if unknown:
-        raise RkitError(f"--build-arg {', '.join(sorted(unknown))}: not a build argument of {flavor}.def "
-                        f"(it takes {', '.join(sorted(args))}).")
-    args.update(overrides or {})
-    def_sha, lock_sha = sha256_file(definition), sha256_file(lock)
-    args.update({"FLAVOR": flavor, "DEF_SHA256": def_sha, "LOCK_SHA256": lock_sha,
-                 "BASE_REFERENCE": base_reference, "BASE_DIGEST": base_digest, "RKIT_VERSION": __version__})
-    epoch = imagerepro.source_date_epoch(declared.get("MIRROR", ""))
-    args["BUILD_DATE"] = imagerepro.iso(epoch)  # the build's one time, not the clock (imagerepro)
-    if "SOURCE_DATE_EPOCH" in declared:
-        args["SOURCE_DATE_EPOCH"] = str(epoch)
-    material = {"definition_sha256": def_sha, "lock_sha256": lock_sha, "base_reference": base_reference,
-                "base_digest": base_digest, "rkit_agent_sha256": sha256_tree(Path(__file__).resolve().parent)}
-    debian_lock = debian_lock_path(flavor)
-    if "DEBIAN_LOCK_SHA256" in declared:
-        args["DEBIAN_LOCK_SHA256"] = material["debian_lock_sha256"] = sha256_file(debian_lock)
-        args.setdefault("DEBIAN_LOCK_MODE", "check")
-    material["build_args"] = dict(sorted(args.items()))
-    key = "sha256:" + hashlib.sha256(canonical_json(material).encode()).hexdigest()
-    return BuildPlan(flavor, definition, lock, args, material, key)
-
-
-# Where a TLS-intercepting proxy sits between the build and PyPI, pip inside the build needs the host's CA
-# bundle. It is used for the download only and removed; it cannot change what is installed (every package is
-# checked against the lock's sha256), so it is not part of the cache key.
-CA_VARIABLES = ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
-
-
-def _stage_context(plan: BuildPlan, into: Path) -> None:
-    shutil.copy2(plan.lock, into / "lock.txt")
-    debian_lock = debian_lock_path(plan.flavor)
-    (into / "debian.lock").write_bytes(debian_lock.read_bytes() if debian_lock.is_file() else b"")
-    ca = next((os.environ[v] for v in CA_VARIABLES if os.path.isfile(os.environ.get(v, ""))), None)
-    if ca:
-        shutil.copy2(ca, into / "ca.pem")
-    else:
-        (into / "ca.pem").write_bytes(b"")
-    src = into / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "launch" / "rkit", src / "launch" / "rkit",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-
-
-def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], None] = lambda line: None,
-          force: bool = False) -> dict[str, Any]:
-    """Build the SIF for `plan` unless the cache already has it; return its record."""
-    if plan.sif.is_file() and plan.record.is_file() and not force:
-        record = json.loads(plan.record.read_text(encoding="utf-8"))
-        record["cached"] = True
-        return record
-    from spython.utils import stream_command
-
-    exe = apptainer()
-    plan.sif.parent.mkdir(parents=True, exist_ok=True)
-    log = log or plan.sif.with_suffix(".build.log")
-    started = time.time()
-    with tempfile.TemporaryDirectory(prefix="rkit-build-", dir=plan.sif.parent) as tmp:
-        context = Path(tmp)
-        _stage_context(plan, context)
-        args = dict(plan.build_args, CONTEXT=str(context))
-        epoch = imagerepro.source_date_epoch(definition_arguments(plan.definition).get("MIRROR", ""))
-        partial = context / "image.sif"
-        argv = [exe, "build", "--fakeroot", "--force", "--mksquashfs-args", imagerepro.mksquashfs_args(epoch)]
-        for name, value in sorted(args.items()):
-            argv += ["--build-arg", f"{name}={value}"]
-        argv += [str(partial), str(plan.definition)]
-        failed = None
-        before = os.environ.get("SOURCE_DATE_EPOCH")
-        os.environ["SOURCE_DATE_EPOCH"] = str(epoch)  # debootstrap's tools, and Apptainer >= 1.5 itself
-        with open(log, "w", encoding="utf-8") as fh:
-            fh.write(" ".join(argv) + "\n")
-            try:
-                for line in stream_command(argv, output_type="both"):
-                    fh.write(line)
-                    echo(line.rstrip("\n"))
-            except subprocess.CalledProcessError as exc:
-                failed = exc.returncode
-            finally:
-                if before is None:
-                    os.environ.pop("SOURCE_DATE_EPOCH", None)
-                else:
-                    os.environ["SOURCE_DATE_EPOCH"] = before
-        if failed is not None:
-            raise RkitError(f"apptainer build of {plan.definition.name} failed (exit {failed}); "
-                            f"the last lines of {log}:\n{_tail(log)}")
-        imagerepro.normalize_sif(partial, epoch)
-        os.replace(partial, plan.sif)  # atomic: the cache never holds half an image
-    record = {"flavor": plan.flavor, "key": plan.key, "key_material": plan.key_material, "path": str(plan.sif),
-              "sha256": sha256_file(plan.sif), "size_bytes": plan.sif.stat().st_size,
-              "build_seconds": round(time.time() - started, 1), "built": time.time(), "log": str(log)}
-    plan.record.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    record["cached"] = False
-    return record
-
-
-def refresh_debian_lock(flavor: str, overrides: dict[str, str] | None = None, **build_options: Any) -> Path:
-    """`make lock`: build FLAVOR taking whatever Debian packages the mirror gives (DEBIAN_LOCK_MODE=refresh), then
-    write the image's own record of them (/etc/rkit/debian.lock) to containers/lock/<flavor>.debian.txt."""
-    plan = plan_build(flavor, {**(overrides or {}), "DEBIAN_LOCK_MODE": "refresh"})
-    record = build(plan, **build_options)
-    done = subprocess.run([apptainer(), "exec", "--cleanenv", "--no-home", record["path"], "cat",
-                           "/etc/rkit/debian.lock"], capture_output=True, text=True, timeout=300, check=False)
-    if done.returncode != 0 or not done.stdout.strip():
-        raise RkitError(f"{record['path']}: no /etc/rkit/debian.lock in it ({done.stderr.strip()[-300:]})")
-    target = debian_lock_path(flavor)
-    write_atomic(target, done.stdout)
-    return target
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 # ---------------------------------------------------------------- inspect / verify
@@ -430,6 +220,8 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
         for record in records:
             if record["sha256"] == want_sha256:
                 return _unchanged(record)
+    from .imagebuild import ANY_MIRROR, plan_build
+
     # Which mirror does not matter here (build_args are not compared below); naming one skips the reachability
     # probe, and it must pass plan_build's MIRROR check like any other.
     plan = plan_build(flavor, {"MIRROR": ANY_MIRROR} if bases()[flavor]["bootstrap"] == "debootstrap" else None)
@@ -467,9 +259,10 @@ def identify(reference: str, path: Path, sha256: str | None = None) -> ImageIden
     from . import imageenv
     from .imageagent import probe
 
-    found = labels(path)
     sha256 = sha256 or sha256_file(path)
     inside = probe(apptainer(), str(path), sha256)
+    # The labels as the image holds them (memoised with the probe: no `apptainer inspect` per run).
+    found = inside["labels"] if isinstance(inside.get("labels"), dict) else labels(path)
     env = imageenv.environment(inside, found)
     return ImageIdentity(reference=reference, path=str(path), sha256=sha256,
                          flavor=found.get(LABEL_PREFIX + "flavor") or inside["flavor"],

@@ -54,10 +54,14 @@ def tree():
         digest.update(name.encode() + b"\0" + data + b"\0")
     return "sha256:" + digest.hexdigest()
 packages = python_packages()
+try:
+    labels = json.load(open("/.singularity.d/labels.json"))
+except (OSError, ValueError):
+    labels = None
 vendor = ("cuda" if any(n.startswith("jax-cuda") for n in packages) else
           "rocm" if any(n.startswith("jax-rocm") for n in packages) else "cpu")
 print(json.dumps({"python": sys.executable, "flavor": vendor, "python_version": sys.version.split()[0],
-                  "rkit_agent_sha256": tree(), "packages": packages, "debian": debian_packages(),
+                  "rkit_agent_sha256": tree(), "packages": packages, "debian": debian_packages(), "labels": labels,
                   "jax": version("jax"), "maxtext": bool(u.find_spec("maxtext") or u.find_spec("MaxText"))}))
 """
 PROBE = (PACKAGE / "envscan.py").read_text(encoding="utf-8") + PROBE_MAIN
@@ -70,7 +74,7 @@ def probe(apptainer: str, sif: str, sha256: str) -> dict[str, Any]:
     MaxText (nothing could train there)."""
     if sha256 in _probed:
         return _probed[sha256]
-    memo = cache_dir() / "probes" / f"{sha256.split(':')[-1]}.v2.json"  # an image's content does not change
+    memo = cache_dir() / "probes" / f"{sha256.split(':')[-1]}.v3.json"  # an image's content does not change
     try:
         found = json.loads(memo.read_text(encoding="utf-8"))
     except (OSError, ValueError):

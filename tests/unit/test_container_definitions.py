@@ -12,7 +12,7 @@ import pytest
 from spython.main.parse.parsers import SingularityParser
 
 from rkit.errors import RkitError
-from rkit.image import definition_arguments, plan_build
+from rkit.imagebuild import definition_arguments, plan_build
 
 from ..conftest import REPO
 
