@@ -174,14 +174,14 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
         epoch = imagerepro.source_date_epoch(definition_arguments(plan.definition).get("MIRROR", ""))
         partial = context / "image.sif"
         # One argv item: Apptainer 1.4's --fakeroot re-exec drops the first "f" of an argument that starts with
-        # "-" (a cluster of short flags to it), and "-mkfs-time" became "-mks-time".
-        argv = [exe, "build", "--fakeroot", "--force", f"--mksquashfs-args={imagerepro.mksquashfs_args(epoch)}"]
+        # "-" (it takes it for a cluster of short flags: "-mkfs-time" became "-mks-time").
+        argv = [exe, "build", "--fakeroot", "--force", f"--mksquashfs-args={imagerepro.mksquashfs_args()}"]
         for name, value in sorted(args.items()):
             argv += ["--build-arg", f"{name}={value}"]
         argv += [str(partial), str(plan.definition)]
         failed = None
         before = os.environ.get("SOURCE_DATE_EPOCH")
-        os.environ["SOURCE_DATE_EPOCH"] = str(epoch)  # debootstrap's tools, and Apptainer >= 1.5 itself
+        os.environ["SOURCE_DATE_EPOCH"] = str(epoch)  # mksquashfs, debootstrap's tools, Apptainer >= 1.5
         with open(log, "w", encoding="utf-8") as fh:
             fh.write(" ".join(argv) + "\n")
             try:

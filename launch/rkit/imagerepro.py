@@ -5,8 +5,11 @@ SOURCE_DATE_EPOCH itself and then does the SIF part on its own):
   - every time in the image: one SOURCE_DATE_EPOCH for the build, the snapshot mirror's date from the
     definition's MIRROR default (the same for every build of the same inputs, whichever mirror is used). pip
     compiles hash-checked .pyc files when it is set (PEP 552), the build-date labels and /etc/rkit/image.json
-    carry that date instead of the clock, and mksquashfs gets `-all-time E -mkfs-time E` (every file's and the
-    file system's time; its output is otherwise deterministic, `-reproducible` is its default);
+    carry that date instead of the clock, and mksquashfs (>= 4.5, which reads it from the environment) takes it
+    as the file system's time and clamps every later file time to it: what the build wrote gets that time, what
+    came from a .deb keeps the package's (so Debian's timestamp-checked .pyc files stay valid, as long as no
+    locked package is newer than the snapshot date). Its output is otherwise deterministic (`-reproducible` is
+    its default);
   - what the build leaves behind: logs, apt's caches and lists, the .debs, dpkg's and the password files' backups,
     ldconfig's aux cache, and the last-change days in /etc/shadow (the definition's %post removes or fixes them);
   - the SIF's own header: a random UUID and creation times in the global header and every descriptor, and the
@@ -45,11 +48,11 @@ def iso(epoch: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
-def mksquashfs_args(epoch: int) -> str:
-    """The times, and zstd: a rank's imports read ~1 GB of the image (jaxlib, MaxText), decompressed again at every
+def mksquashfs_args() -> str:
+    """zstd (the times come from SOURCE_DATE_EPOCH in mksquashfs's environment): a rank's imports read ~1 GB of the image (jaxlib, MaxText), decompressed again at every
     container start. Measured (cpu image, import of JAX, Orbax and MaxText's trainer, median of 6): 11.8 s gzip
     (Apptainer's default, 554 MB), 9.1 s zstd (501 MB), 8.4 s lz4 (778 MB), 7.3 s from the host's venv."""
-    return f"-comp zstd -all-time {epoch} -mkfs-time {epoch}"
+    return "-comp zstd"
 
 
 def normalize_sif(path: Path, epoch: int) -> dict[str, int]:
