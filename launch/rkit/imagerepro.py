@@ -49,9 +49,10 @@ def iso(epoch: int) -> str:
 
 
 def mksquashfs_args() -> str:
-    """zstd (the times come from SOURCE_DATE_EPOCH in mksquashfs's environment): a rank's imports read ~1 GB of the image (jaxlib, MaxText), decompressed again at every
-    container start. Measured (cpu image, import of JAX, Orbax and MaxText's trainer, median of 6): 11.8 s gzip
-    (Apptainer's default, 554 MB), 9.1 s zstd (501 MB), 8.4 s lz4 (778 MB), 7.3 s from the host's venv."""
+    """zstd (the times come from SOURCE_DATE_EPOCH in mksquashfs's environment): a rank's imports read ~1 GB of
+    the image (jaxlib, MaxText), decompressed again at every container start. Measured (cpu image, import of
+    JAX, Orbax and MaxText's trainer, median of 6): 11.8 s gzip (Apptainer's default, 554 MB), 9.1 s zstd
+    (501 MB), 8.4 s lz4 (778 MB), 7.3 s from the host's venv."""
     return "-comp zstd"
 
 
