@@ -113,5 +113,6 @@ def objects(path: Path) -> dict[str, dict]:
                 digest.update(chunk)
                 left -= len(chunk)
             out[f"object {d[2]}"] = {"type": hex(d[0]), "name": d[12].rstrip(b"\0").decode(errors="replace"),
+                                     "offset": d[5],
                                      "size": d[6], "sha256": digest.hexdigest(), "created": d[8], "uid": d[10]}
     return out

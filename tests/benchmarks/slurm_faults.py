@@ -17,6 +17,13 @@ usr1: `scancel --signal=USR1 --batch` at step >= 15 (what --signal=B:USR1@lead s
   usr1->requeue  signal -> the job requeued itself (save requested, tasks stopped)
   requeue wait   requeued -> the batch script runs again (Slurm holds a requeued job for cred_expire: 30 s on
                  the test bed; releasing it sooner can kill it as "Job credential revoked")
+task exit, cold / warm: rank 1 stops itself at step 15 (hang detection off) and is killed once it has stopped
+(warm: once the standby step beside the attempt is ready, resilience.warm_standby=true): a task failure on the
+same nodes.
+  restart    failure noticed -> the resumed attempt's first step
+  launch     failure noticed -> its agents started (a new step and containers, or the standby step's order)
+  import     -> the agents' imports and jax.distributed set-up done (agent.ready)
+  restore    -> first step (MaxText's restore and compilation)
 Steps recomputed: steps trained before the fault that the resumed attempt trains again.
 """
 
@@ -142,7 +149,37 @@ def usr1(workdir: Path, i: int, image: str) -> dict[str, float]:
             "recomputed": max(0, requested["step"] - resumed["resume_from_step"])}
 
 
-FAULTS = {"node-crash": node_crash, "batch-host-crash": batch_host_crash, "usr1": usr1}
+def task_exit(workdir: Path, i: int, image: str, warm: bool) -> dict[str, float]:
+    import psutil
+
+    name = f"{'warm' if warm else 'cold'}-{i}"
+    run = submit(workdir, name, image, extra=("-o", f"resilience.warm_standby={str(warm).lower()}",
+                                              "-o", "resilience.hang_timeout=null", "--inject", "hang:rank=1,step=15"))
+    job = first(events(run), "job.submitted")["job_id"]
+    mark = f"base_output_directory={run.resolve()}"
+
+    def hung() -> psutil.Process | None:
+        return next((p for p in psutil.process_iter(["cmdline", "status"]) if p.info["status"] ==
+                     psutil.STATUS_STOPPED and mark in (p.info["cmdline"] or [])), None)
+
+    if warm:
+        wait(lambda: any(e["event"] == "standby" and e["what"] == "ready" for e in events(run)))
+    wait(lambda: hung() is not None)
+    hung().kill()
+    wait(lambda: finished(run, job))
+    evs = events(run)
+    failed = first(evs, "attempt.failed")["t"]
+    agents = [e for e in evs if e["event"] == "agent.started" and e["attempt"] == 2]
+    ready = max(e["t"] for e in evs if e["event"] == "agent.ready" and e["attempt"] == 2)
+    step = first(evs, "attempt.first_step", attempt=2)["t"]
+    assert all(e["warm"] == warm for e in agents), agents
+    return {"restart": step - failed, "launch": max(e["t"] for e in agents) - failed,
+            "import": ready - max(e["t"] for e in agents), "restore": step - ready}
+
+
+FAULTS = {"node-crash": node_crash, "batch-host-crash": batch_host_crash, "usr1": usr1,
+          "task-exit-cold": lambda w, i, image: task_exit(w, i, image, False),
+          "task-exit-warm": lambda w, i, image: task_exit(w, i, image, True)}
 
 
 def main() -> None:
