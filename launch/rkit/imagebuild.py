@@ -8,6 +8,7 @@ An unchanged key is not rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +24,17 @@ from typing import Any
 
 from . import __version__, imagerepro
 from .errors import RkitError
-from .image import FLAVORS, REPO, apptainer, bases, cache_dir, containers_dir, sha256_file, sha256_tree
+from .image import (
+    FLAVORS,
+    IMAGE_SIDE_FILES,
+    REPO,
+    apptainer,
+    bases,
+    cache_dir,
+    containers_dir,
+    sha256_file,
+    sha256_tree,
+)
 from .rundir import write_atomic
 from .stamp import canonical_json
 
@@ -121,7 +132,8 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None,
     if "SOURCE_DATE_EPOCH" in declared:
         args["SOURCE_DATE_EPOCH"] = str(epoch)
     material = {"definition_sha256": def_sha, "lock_sha256": lock_sha, "base_reference": base_reference,
-                "base_digest": base_digest, "rkit_agent_sha256": sha256_tree(Path(__file__).resolve().parent)}
+                "base_digest": base_digest, "rkit_agent_sha256": sha256_tree(Path(__file__).resolve().parent),
+                "pyproject_sha256": sha256_file(REPO / "pyproject.toml")}
     debian_lock = debian_lock_path(flavor)
     if "DEBIAN_LOCK_SHA256" in declared:
         args["DEBIAN_LOCK_SHA256"] = material["debian_lock_sha256"] = sha256_file(debian_lock)
@@ -146,12 +158,20 @@ def _stage_context(plan: BuildPlan, into: Path) -> None:
         shutil.copy2(ca, into / "ca.pem")
     else:
         (into / "ca.pem").write_bytes(b"")
+    # rkit's image side only (what the cache key covers: the agent, its standby and the build's helpers), so
+    # that the image is a function of its key: the CLI and the supervisor run on the host, and a change to them
+    # (or to the README, which would go into the package's metadata) neither rebuilds images nor changes them.
     src = into / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "launch" / "rkit", src / "launch" / "rkit",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(REPO / "pyproject.toml", src / "pyproject.toml")
+    (src / "README.md").write_text(README_IN_IMAGE, encoding="utf-8")
+    for name in IMAGE_SIDE_FILES:
+        (src / "launch" / "rkit" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / "launch" / "rkit" / name, src / "launch" / "rkit" / name)
+
+
+README_IN_IMAGE = ("rkit's image side: the agent each rank runs (rkit.agent), its warm standby and the image build's "
+                   "helpers. The CLI and the supervisor run on the host; see the rkit repository.\n")
 
 
 def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], None] = lambda line: None,
@@ -170,7 +190,7 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
     with tempfile.TemporaryDirectory(prefix="rkit-build-", dir=plan.sif.parent) as tmp:
         context = Path(tmp)
         _stage_context(plan, context)
-        args = dict(plan.build_args, CONTEXT=str(context))
+        args = dict(plan.build_args)
         epoch = imagerepro.source_date_epoch(definition_arguments(plan.definition).get("MIRROR", ""))
         partial = context / "image.sif"
         # One argv item: Apptainer 1.4's --fakeroot re-exec drops the first "f" of an argument that starts with
@@ -185,9 +205,12 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
         with open(log, "w", encoding="utf-8") as fh:
             fh.write(" ".join(argv) + "\n")
             try:
-                for line in stream_command(argv, output_type="both"):
-                    fh.write(line)
-                    echo(line.rstrip("\n"))
+                # In the context: %files takes its sources relative to the build's working directory, so no
+                # temporary path is written into the definition the image keeps.
+                with contextlib.chdir(context):
+                    for line in stream_command(argv, output_type="both"):
+                        fh.write(line)
+                        echo(line.rstrip("\n"))
             except subprocess.CalledProcessError as exc:
                 failed = exc.returncode
             finally:
