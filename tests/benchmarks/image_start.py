@@ -1,8 +1,8 @@
 """What an image adds to a run's start and to a restart, measured side by side in one session.
 
-    python tests/benchmarks/image_start.py SIF [--repeats 3] [--steps 40] [--kill-step 30]
+    python tests/benchmarks/image_start.py SIF [SIF...] [--repeats 3] [--steps 40] [--kill-step 30]
 
-Each repeat runs the tiny recipe twice, interleaved: without an image (the host's venv) and inside SIF, each with
+Each repeat runs the tiny recipe interleaved: without an image (the host's venv) and inside each SIF, each with
 `--inject kill:rank=1,step=K` and warm standbys off, and reads the clock and the events:
   start         = `rkit run` launched -> first trained step (the image's digest, its probe, the stamp, the
                   container start and everything a run without an image does too)
@@ -10,7 +10,7 @@ Each repeat runs the tiny recipe twice, interleaved: without an image (the host'
   restart       = failure noticed -> first step of the resumed attempt (the image check between attempts and
                   the container start are in it)
   launch        = failure noticed -> the new ranks' agent.started (process or container start)
-The last lines are the medians' differences, image minus none: `start +<s>` and `restart +<s>`.
+The last lines are the medians' differences, each image minus none: `<image> start +<s>`, `restart +<s>`.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ def measure(workdir: Path, name: str, steps: int, kill_step: int, image: str) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("image")
+    parser.add_argument("images", nargs="+")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-step", type=int, default=30)
     args = parser.parse_args()
-    modes = {"none": "none", "image": str(Path(args.image).resolve())}
+    modes = {"none": "none", **{Path(image).name: str(Path(image).resolve()) for image in args.images}}
     rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="rkit-bench-") as tmp:
         for i in range(args.repeats):
@@ -60,9 +60,10 @@ def main() -> None:
     medians = {mode: {k: statistics.median(x[k] for x in r) for k in r[0]} for mode, r in rows.items()}
     for mode, m in medians.items():
         print(f"{mode} median of {args.repeats}: " + ", ".join(f"{k} {v:.2f} s" for k, v in m.items()))
-    for key in ("stamp", "launch", "start", "restart"):
-        print(f"{key} +{medians['image'][key] - medians['none'][key]:.2f} s "
-              f"(image / none {medians['image'][key] / medians['none'][key]:.2f})")
+    for mode in list(modes)[1:]:
+        for key in ("stamp", "launch", "start", "restart"):
+            print(f"{mode} {key} +{medians[mode][key] - medians['none'][key]:.2f} s "
+                  f"(image / none {medians[mode][key] / medians['none'][key]:.2f})")
 
 
 if __name__ == "__main__":
