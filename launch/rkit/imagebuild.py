@@ -47,6 +47,7 @@ class BuildPlan:
     build_args: dict[str, str]
     key_material: dict[str, Any]
     key: str
+    epoch: int  # the build's SOURCE_DATE_EPOCH (imagerepro.source_date_epoch), computed once here
 
     @property
     def sif(self) -> Path:
@@ -140,7 +141,7 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None,
         args.setdefault("DEBIAN_LOCK_MODE", "check")
     material["build_args"] = dict(sorted(args.items()))
     key = "sha256:" + hashlib.sha256(canonical_json(material).encode()).hexdigest()
-    return BuildPlan(flavor, definition, lock, args, material, key)
+    return BuildPlan(flavor, definition, lock, args, material, key, epoch)
 
 
 # Where a TLS-intercepting proxy sits between the build and PyPI, pip inside the build needs the host's CA
@@ -191,7 +192,6 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
         context = Path(tmp)
         _stage_context(plan, context)
         args = dict(plan.build_args)
-        epoch = imagerepro.source_date_epoch(definition_arguments(plan.definition).get("MIRROR", ""))
         partial = context / "image.sif"
         # One argv item: Apptainer 1.4's --fakeroot re-exec drops the first "f" of an argument that starts with
         # "-" (it takes it for a cluster of short flags: "-mkfs-time" became "-mks-time").
@@ -201,7 +201,7 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
         argv += [str(partial), str(plan.definition)]
         failed = None
         before = os.environ.get("SOURCE_DATE_EPOCH")
-        os.environ["SOURCE_DATE_EPOCH"] = str(epoch)  # mksquashfs, debootstrap's tools, Apptainer >= 1.5
+        os.environ["SOURCE_DATE_EPOCH"] = str(plan.epoch)  # mksquashfs, debootstrap's tools, Apptainer >= 1.5
         with open(log, "w", encoding="utf-8") as fh:
             fh.write(" ".join(argv) + "\n")
             try:
@@ -221,7 +221,7 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
         if failed is not None:
             raise RkitError(f"apptainer build of {plan.definition.name} failed (exit {failed}); "
                             f"the last lines of {log}:\n{_tail(log)}")
-        imagerepro.normalize_sif(partial, epoch)
+        imagerepro.normalize_sif(partial, plan.epoch)
         os.replace(partial, plan.sif)  # atomic: the cache never holds half an image
     record = {"flavor": plan.flavor, "key": plan.key, "key_material": plan.key_material, "path": str(plan.sif),
               "sha256": sha256_file(plan.sif), "size_bytes": plan.sif.stat().st_size,
