@@ -3,8 +3,9 @@
 What a build stamps, and how rkit keeps each out (Apptainer 1.4, mksquashfs 4.5; Apptainer 1.5 reads
 SOURCE_DATE_EPOCH itself and then does the SIF part on its own):
   - every time in the image: one SOURCE_DATE_EPOCH for the build, the snapshot mirror's date from the
-    definition's MIRROR default (the same for every build of the same inputs, whichever mirror is used). pip
-    compiles hash-checked .pyc files when it is set (PEP 552), the build-date labels and /etc/rkit/image.json
+    definition's MIRROR default (the same for every build of the same inputs, whichever mirror is used). The
+    definition compiles every .pyc as an unchecked hash-based one (PEP 552: no time in it), the build-date
+    labels and /etc/rkit/image.json
     carry that date instead of the clock, and mksquashfs (>= 4.5, which reads it from the environment) takes it
     as the file system's time and clamps every later file time to it: what the build wrote gets that time, what
     came from a .deb keeps the package's (so Debian's timestamp-checked .pyc files stay valid, as long as no

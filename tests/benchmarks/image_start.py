@@ -10,6 +10,12 @@ Each repeat runs the tiny recipe interleaved: without an image (the host's venv)
   restart       = failure noticed -> first step of the resumed attempt (the image check between attempts and
                   the container start are in it)
   launch        = failure noticed -> the new ranks' agent.started (process or container start)
+and the first attempt's parts, the slowest rank's each (from its agent.started and agent.ready events):
+  spawn         = attempt.started -> agent.started (container start, Python's start, the agent's own imports)
+  imports       = MaxText's, JAX's and Orbax's imports (agent.ready's import_seconds)
+  distributed   = jax.distributed's set-up (agent.ready's distributed_seconds)
+  to step       = agent.ready -> first trained step (MaxText's config, restore or init, compilation)
+Each line gives the median and, in brackets, the lowest and highest of the repeats.
 The last lines are the medians' differences, each image minus none: `<image> start +<s>`, `restart +<s>`.
 """
 
@@ -34,11 +40,17 @@ def measure(workdir: Path, name: str, steps: int, kill_step: int, image: str) ->
                    cwd=workdir, check=True, capture_output=True)
     evs = events(workdir / "runs" / name)
     failed = first(evs, "attempt.failed", attempt=1)["t"]
+    started = [e for e in evs if e["event"] == "agent.started" and e["attempt"] == 1]
+    ready = [e for e in evs if e["event"] == "agent.ready" and e["attempt"] == 1]
     return {
         "start": first(evs, "attempt.first_step", attempt=1)["t"] - launched,
         "stamp": first(evs, "attempt.started", attempt=1)["t"] - launched,
         "restart": first(evs, "attempt.first_step", attempt=2)["t"] - failed,
         "launch": max(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2) - failed,
+        "spawn": max(e["t"] for e in started) - first(evs, "attempt.started", attempt=1)["t"],
+        "imports": max(e["import_seconds"] for e in ready),
+        "distributed": max(e["distributed_seconds"] for e in ready),
+        "to step": first(evs, "attempt.first_step", attempt=1)["t"] - max(e["t"] for e in ready),
     }
 
 
@@ -59,9 +71,11 @@ def main() -> None:
                 print(f"{mode} repeat {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     medians = {mode: {k: statistics.median(x[k] for x in r) for k in r[0]} for mode, r in rows.items()}
     for mode, m in medians.items():
-        print(f"{mode} median of {args.repeats}: " + ", ".join(f"{k} {v:.2f} s" for k, v in m.items()))
+        print(f"{mode} median of {args.repeats}: " + ", ".join(
+            f"{k} {v:.2f} s [{min(x[k] for x in rows[mode]):.2f}, {max(x[k] for x in rows[mode]):.2f}]"
+            for k, v in m.items()))
     for mode in list(modes)[1:]:
-        for key in ("stamp", "launch", "start", "restart"):
+        for key in ("stamp", "spawn", "imports", "distributed", "to step", "launch", "start", "restart"):
             print(f"{mode} {key} +{medians[mode][key] - medians['none'][key]:.2f} s "
                   f"(image / none {medians[mode][key] / medians['none'][key]:.2f})")
 

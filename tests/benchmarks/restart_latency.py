@@ -1,9 +1,10 @@
 """Restart latency against a cold start, warm standbys off and on, measured side by side in one session.
 
     python tests/benchmarks/restart_latency.py [--repeats 3] [--steps 300] [--kill-step 250] [--image SIF]
+                                               [--processes 2]
 
-Each repeat runs the tiny recipe with `--inject kill:rank=1,step=K`, once with resilience.warm_standby=false and
-once with true (interleaved), and reads its events:
+Each repeat runs the tiny recipe (with --processes: that many ranks) with `--inject kill:rank=<last>,step=K`,
+once with resilience.warm_standby=false and once with true (interleaved), and reads its events:
   cold start    = attempt 1: process spawn -> first trained step (attempt.started -> attempt.first_step)
   submit->step  = `rkit run` stamped the run -> first trained step (run.submitted -> attempt.first_step)
   restart       = failure noticed -> first step of the resumed attempt (attempt.failed -> attempt.first_step)
@@ -40,14 +41,15 @@ def rss_of_ready_standby(run: Path, stop: threading.Event, found: list[int]) -> 
 
 
 def measure(workdir: Path, name: str, steps: int, kill_step: int, image: str, standby: bool,
-            rss: list[int]) -> dict[str, float]:
+            rss: list[int], processes: int) -> dict[str, float]:
     stop = threading.Event()
     watcher = threading.Thread(target=rss_of_ready_standby, args=(workdir / "runs" / name, stop, rss), daemon=True)
     watcher.start()
     try:
         run = run_tiny(workdir, name, "-o", f"trainer.steps={steps}", "-o", "checkpoint.period=10",
                        "-o", f"image={image}", "-o", f"resilience.warm_standby={str(standby).lower()}",
-                       "--inject", f"kill:rank=1,step={kill_step}")
+                       "-o", f"resources.processes_per_node={processes}",
+                       "--inject", f"kill:rank={processes - 1},step={kill_step}")
     finally:
         stop.set()
         watcher.join()
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kill-step", type=int, default=250)
     parser.add_argument("--image", default="none", help="run both modes inside this SIF")
+    parser.add_argument("--processes", type=int, default=2, help="ranks (the tiny recipe has 2)")
     args = parser.parse_args()
     image = str(Path(args.image).resolve()) if args.image != "none" else "none"
     rows: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
@@ -81,7 +84,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rkit-bench-") as tmp:
         for i in range(args.repeats):
             for mode in ("off", "on"):
-                row = measure(Path(tmp), f"bench-{mode}-{i}", args.steps, args.kill_step, image, mode == "on", rss)
+                row = measure(Path(tmp), f"bench-{mode}-{i}", args.steps, args.kill_step, image, mode == "on", rss,
+                              args.processes)
                 rows[mode].append(row)
                 print(f"standby {mode} repeat {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
                       flush=True)

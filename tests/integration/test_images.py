@@ -98,6 +98,29 @@ def test_the_images_environment_identity_inside_and_as_a_label_is_what_rkit_read
     assert debianlock.parse(inside) == locked
 
 
+PYC_FLAGS = """
+import collections, importlib.util, json
+from pathlib import Path
+flags = collections.Counter()
+for root in ("/usr/lib/python3.13", "/opt/venv/lib"):
+    for pyc in Path(root).rglob("*.pyc"):
+        flags[int.from_bytes(pyc.read_bytes()[4:8], "little")] += 1
+missing = [str(p) for p in Path("/opt/venv/lib").rglob("*.py")
+           if not Path(importlib.util.cache_from_source(str(p))).is_file()]
+print(json.dumps({"flags": flags, "missing": missing}))
+"""
+
+
+def test_every_pyc_in_the_image_is_unchecked_so_imports_never_hash_the_sources(cpu_image: Path):
+    # PEP 552's flags word: 1 = hash-based and unchecked (the image is read-only), 3 = checked (every import reads
+    # and hashes the module's source), 0 = timestamp-based. And no module of the venv is left without its .pyc.
+    out = subprocess.run([apptainer(), "exec", "--cleanenv", "--no-home", str(cpu_image), "/opt/venv/bin/python",
+                          "-c", PYC_FLAGS], capture_output=True, text=True, check=True).stdout
+    found = json.loads(out)
+    assert set(found["flags"]) == {"1"} and found["flags"]["1"] > 10000, found["flags"]
+    assert found["missing"] == []
+
+
 def test_a_second_cold_build_of_the_same_inputs_is_the_same_bytes(cpu_image: Path, tmp_path: Path):
     # Another cache: the same definition, locks and mirror, built from nothing (debootstrap, pip, squashfs).
     from rkit import imagerepro
