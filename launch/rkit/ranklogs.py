@@ -22,6 +22,11 @@ RESTORE_FAILED = re.compile(rb"DATA_LOSS|Error reading shard|NOT_FOUND: [^\n]*(?
 # JAX's coordination service (process 0) could not listen: gRPC's bind error, then JAX's own.
 PORT_IN_USE = re.compile(rb"Failed to add port to server|Failed to start RPC server")
 PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED, "port_in_use": PORT_IN_USE}
+# Orbax's record of a finished restore (its standard logger, through absl): the CheckpointManager's start time
+# (the rank's wall clock) and duration, e.g. `{'step': 240, 'event_type': 'restore', ...,
+# 'checkpoint_manager_start_time': 1796146611.46, 'checkpoint_manager_duration_secs': 0.12}`.
+RESTORED = re.compile(rb"'event_type': 'restore'.*'checkpoint_manager_start_time': ([0-9.eE+-]+), "
+                      rb"'checkpoint_manager_duration_secs': ([0-9.eE+-]+)")
 
 
 class LogScan:
@@ -36,6 +41,7 @@ class LogScan:
         self._partial: dict[Path, bytes] = {}
         self._next = 0.0
         self.found: dict[str, tuple[str, Path]] = {}
+        self.restores: dict[Path, tuple[float, float]] = {}  # per log: Orbax's restore, (start, end)
 
     def scan(self, force: bool = False) -> dict[str, tuple[str, Path]]:
         now = self.clock()
@@ -46,7 +52,21 @@ class LogScan:
                     for kind, pattern in PATTERNS.items():
                         if kind not in self.found and pattern.search(line):
                             self.found[kind] = (line.decode("utf-8", "replace").strip()[:400], path)
+                    if path not in self.restores and (m := RESTORED.search(line)):
+                        try:
+                            start, seconds = float(m[1]), float(m[2])
+                        except ValueError:
+                            continue
+                        self.restores[path] = (start, start + max(0.0, seconds))
         return self.found
+
+    def restore_span(self, force: bool = False) -> tuple[float, float] | None:
+        """Orbax's restore in the logs read so far: the first rank's start to the last rank's end (wall clock),
+        or None when no rank has restored (a fresh start, or an Orbax that does not log it)."""
+        self.scan(force)
+        if not self.restores:
+            return None
+        return min(a for a, _ in self.restores.values()), max(b for _, b in self.restores.values())
 
     def disk_full(self, force: bool = False) -> str | None:
         """The first log line that says a write failed for space, once one was written."""

@@ -274,7 +274,7 @@ def render_status(s: dict[str, Any]) -> str:
 
 
 def render_goodput(g: dict[str, Any]) -> str:
-    """Goodput in one line, e.g. `87.2% of 120.3 s; lost: restore and compilation 9.1 s, ...` (top losses)."""
+    """Goodput in one line, e.g. `87.2% of 120.3 s; lost: compilation and MaxText's set-up 9.1 s, ...` (top losses)."""
     if g["goodput"] is None:
         return "-"
     losses = ", ".join(f"{x['label']} {x['seconds']:.1f} s" for x in g["top_losses"])

@@ -455,8 +455,11 @@ class AttemptWatch:
                     progress.tokens_per_sec = m.tokens_per_sec_per_device * sup.processes
                 if not self.first_step_seen:
                     self.first_step_seen = True
+                    restored = self.logs.restore_span(force=True)  # goodput's restore, apart from compilation
                     sup.run.emit(EV.ATTEMPT_FIRST_STEP, attempt=self.attempt, step=m.step, rank=rank,
-                                 seconds_since_start=round(time.time() - self.started, 3))
+                                 seconds_since_start=round(time.time() - self.started, 3),
+                                 **({"restore_started": round(restored[0], 3),
+                                     "restore_seconds": round(restored[1] - restored[0], 3)} if restored else {}))
         self.stragglers.check()
         progress.committed = maxtext.latest_committed_step(sup.run)
         progress.message = f"attempt {self.attempt}"

@@ -179,6 +179,17 @@ def test_fault_then_resume_matches_uninterrupted_loss(workspace, baseline, name,
     resumed_from = started[1]["resume_from_step"]
     assert resumed_from is not None and 10 <= resumed_from < fired[0]["step"]
     assert events(run, "run.finished")
+    # The resumed attempt's first step carries Orbax's restore (from the ranks' logs): goodput's restore, apart
+    # from compilation; a fresh start restores nothing.
+    first_steps = {e["attempt"]: e for e in events(run, "attempt.first_step")}
+    assert "restore_seconds" not in first_steps[1]
+    restored = first_steps[2]
+    ready = max(e["t"] for e in events(run, "agent.ready") if e["attempt"] == 2)
+    assert 0 < restored["restore_seconds"] < restored["t"] - ready
+    assert ready - 1 <= restored["restore_started"] <= restored["t"]
+    from rkit.telemetry.goodput import run_goodput
+
+    assert run_goodput(run).seconds["restore"] == pytest.approx(restored["restore_seconds"], abs=0.01)
     # Bit for bit: the same final loss as the run that was never interrupted.
     assert final_loss(run) == final_loss(baseline)
     view = merged(run, rank=0)

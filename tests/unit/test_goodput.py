@@ -164,3 +164,40 @@ def test_start_up_splits_into_launch_imports_distributed_set_up_and_compilation(
     assert g.seconds["startup"] == pytest.approx(0.0) and g.seconds["import"] == pytest.approx(0.48)
     assert g.seconds["distributed"] == pytest.approx(0.02) and g.seconds["compile"] == pytest.approx(7.5)
     assert g.seconds["other"] == pytest.approx(1.0)  # run.submitted -> attempt.started
+
+
+ORBAX_RESTORED = ("I1201 17:26:47.156346 140582557404032 standard_logger.py:34] {'step': 9, 'event_type': 'restore', "
+                  "'directory': '/runs/x/checkpoints/checkpoints', 'checkpointer_start_time': 1796146006.9944065, "
+                  "'checkpointer_duration_secs': 0.161848783493042, 'checkpoint_manager_start_time': "
+                  "%s, 'checkpoint_manager_duration_secs': %s}\n")
+
+
+def test_orbax_restore_record_in_the_ranks_logs_is_the_restore_span(tmp_path):
+    from rkit.ranklogs import LogScan
+
+    logs = [tmp_path / "rank-0.log", tmp_path / "rank-1.log", tmp_path / "rank-2.log"]
+    logs[0].write_text("I1201 config...\n" + ORBAX_RESTORED % ("1000.5", "0.25") + "completed step: 10\n")
+    logs[1].write_text(ORBAX_RESTORED % ("1000.25", "0.75"))  # started first, ended last
+    logs[2].write_text("{'step': 10, 'event_type': 'save', 'checkpoint_manager_start_time': 5.0}\n")  # not a restore
+    assert LogScan(logs, clock=lambda: 0.0).restore_span(force=True) == (1000.25, 1001.0)
+    logs[0].write_text("a fresh start: nothing restored\n")
+    assert LogScan(logs[:1], clock=lambda: 0.0).restore_span(force=True) is None
+
+
+def test_the_restore_is_its_own_part_of_the_start_up_inside_compilation():
+    def ev(t: float, kind: str, **fields) -> dict:
+        return {"t": 1000.0 + t, "event": kind, **fields}
+
+    resumed = [ev(0, "run.submitted"), ev(0, "attempt.started", attempt=1),
+               ev(1, "agent.started", attempt=1, rank=0),
+               ev(9, "agent.ready", attempt=1, rank=0, distributed_seconds=1.0),
+               ev(20, "attempt.first_step", attempt=1, rank=0, restore_started=1012.0, restore_seconds=1.5),
+               ev(20, "attempt.ended", attempt=1, cause="completed"), ev(20, "run.finished")]
+    g = goodput.compute(resumed, [], checkpoint_period=10)
+    assert {k: round(v, 6) for k, v in g.seconds.items() if v} == {"startup": 1.0, "import": 7.0, "distributed": 1.0,
+                                                                  "restore": 1.5, "compile": 9.5}
+    # A restore record outside agent.ready -> first step (another host's clock) is clipped to that window.
+    resumed[4] = ev(20, "attempt.first_step", attempt=1, rank=0, restore_started=1018.0, restore_seconds=5.0)
+    g = goodput.compute(resumed, [], checkpoint_period=10)
+    assert g.seconds["restore"] == pytest.approx(2.0) and g.seconds["compile"] == pytest.approx(9.0)
+    assert sum(g.seconds.values()) == pytest.approx(g.wall_seconds)

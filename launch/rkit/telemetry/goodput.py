@@ -10,9 +10,11 @@ Every second of the wall time goes to exactly one category, so the categories su
 - an attempt's start-up, `attempt.started` -> `attempt.first_step`, in four parts when its ranks' agents said
   when they started and were ready (agent.started, agent.ready; the slowest rank's times): startup (processes
   and containers start, or standbys take the ranks) -> import (MaxText and what it imports; ~0 for a warm rank)
-  and distributed (jax.distributed's set-up, its share of agent.started -> agent.ready) -> compile (restore and
-  compilation: agent.ready -> the first step, whose own time is mostly compilation). Without those events all of
-  it is startup.
+  and distributed (jax.distributed's set-up, its share of agent.started -> agent.ready) -> compile (MaxText's
+  set-up and compilation: agent.ready -> the first step, whose own time is mostly compilation) and restore (the
+  checkpoint's restore inside it: from Orbax's own record in the ranks' logs, the first rank's start to the last
+  rank's end, which attempt.first_step carries as restore_started and restore_seconds). Without the agents'
+  events all of it is startup.
 - productive, checkpoint, recompute: from the first step to the attempt's last step, split by the times of the
   steps after the first on one rank (rank 0, or the lowest rank with lines in that attempt). A step's time is the
   gap between its line's `t` and the previous one's (gaps tile the window; MaxText's own step_time carries
@@ -50,7 +52,8 @@ CATEGORIES = {
     "startup": "start-up (processes, containers)",
     "import": "imports (Python, JAX, MaxText)",
     "distributed": "jax.distributed set-up",
-    "compile": "restore and compilation",
+    "restore": "checkpoint restore",
+    "compile": "compilation and MaxText's set-up",
     "checkpoint": "checkpoint saves",
     "recompute": "recomputed steps",
     "hang": "hang waits",
@@ -60,8 +63,8 @@ CATEGORIES = {
     "shutdown": "final save and shutdown",
     "other": "other",
 }
-PRIORITY = ("hang", "teardown", "shutdown", "startup", "import", "distributed", "compile", "steps", "requeue",
-            "queue")
+PRIORITY = ("hang", "teardown", "shutdown", "startup", "import", "distributed", "restore", "compile", "steps",
+            "requeue", "queue")
 SESSION_START = (EV.RUN_SUBMITTED, EV.RUN_RESUMED)
 SESSION_END = (EV.RUN_FINISHED, EV.RUN_GAVE_UP, EV.RUN_INTERRUPTED)
 
@@ -107,6 +110,7 @@ class _Attempt:
     agents_started: float | None = None  # the slowest rank's agent.started
     agents_ready: float | None = None  # the slowest rank's agent.ready
     distributed_seconds: float = 0.0  # the slowest rank's
+    restore: tuple[float, float] | None = None  # Orbax's restore, the first rank's start to the last's end
 
 
 def run_goodput(run: RunDir, now: float | None = None, *, events: list[dict] | None = None,
@@ -272,8 +276,11 @@ def _startup(a: _Attempt, first: float) -> list[tuple[float, float, str]]:
     launched = min(max(a.agents_started, a.started), first)
     ready = min(max(a.agents_ready, launched), first)
     distributed = min(a.distributed_seconds, ready - launched)
-    return [(a.started, launched, "startup"), (launched, ready - distributed, "import"),
-            (ready - distributed, ready, "distributed"), (ready, first, "compile")]
+    parts = [(a.started, launched, "startup"), (launched, ready - distributed, "import"),
+             (ready - distributed, ready, "distributed"), (ready, first, "compile")]
+    if a.restore is not None:  # painted over compile (PRIORITY), inside it only
+        parts.append((max(a.restore[0], ready), min(a.restore[1], first), "restore"))
+    return parts
 
 
 class Fold:
@@ -336,6 +343,9 @@ class EventFold(Fold):
                 a.last_seen = max(a.last_seen or t, t)
                 if kind == EV.ATTEMPT_FIRST_STEP and a.first_step is None:
                     a.first_step = t
+                    started, seconds = e.get("restore_started"), e.get("restore_seconds")
+                    if isinstance(started, (int, float)) and isinstance(seconds, (int, float)) and seconds > 0:
+                        a.restore = (float(started), float(started) + float(seconds))
                 elif kind == EV.ATTEMPT_FAILED and a.failed is None:
                     a.failed = t
                 elif kind == EV.ATTEMPT_ENDED:
