@@ -7,7 +7,7 @@ nobody's loss and is not counted; a supervisor that died without a final word le
 
 Every second of the wall time goes to exactly one category, so the categories sum to the wall time:
 
-- an attempt's start-up, `attempt.started` -> `attempt.first_step`, in four parts when its ranks' agents said
+- an attempt's start-up, `attempt.started` -> `attempt.first_step`, in five parts when its ranks' agents said
   when they started and were ready (agent.started, agent.ready; the slowest rank's times): startup (processes
   and containers start, or standbys take the ranks) -> import (MaxText and what it imports; ~0 for a warm rank)
   and distributed (jax.distributed's set-up, its share of agent.started -> agent.ready) -> compile (MaxText's
