@@ -40,17 +40,22 @@ def measure(workdir: Path, name: str, steps: int, kill_step: int, image: str) ->
                    cwd=workdir, check=True, capture_output=True)
     evs = events(workdir / "runs" / name)
     failed = first(evs, "attempt.failed", attempt=1)["t"]
-    started = [e for e in evs if e["event"] == "agent.started" and e["attempt"] == 1]
-    ready = [e for e in evs if e["event"] == "agent.ready" and e["attempt"] == 1]
+    attempt_started = first(evs, "attempt.started", attempt=1)["t"]
+    first_step = first(evs, "attempt.first_step", attempt=1)["t"]
+
+    def agents(kind: str, attempt: int) -> list[dict]:
+        return [e for e in evs if e["event"] == kind and e["attempt"] == attempt]
+
+    ready = agents("agent.ready", 1)
     return {
-        "start": first(evs, "attempt.first_step", attempt=1)["t"] - launched,
-        "stamp": first(evs, "attempt.started", attempt=1)["t"] - launched,
+        "start": first_step - launched,
+        "stamp": attempt_started - launched,
         "restart": first(evs, "attempt.first_step", attempt=2)["t"] - failed,
-        "launch": max(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2) - failed,
-        "spawn": max(e["t"] for e in started) - first(evs, "attempt.started", attempt=1)["t"],
+        "launch": max(e["t"] for e in agents("agent.started", 2)) - failed,
+        "spawn": max(e["t"] for e in agents("agent.started", 1)) - attempt_started,
         "imports": max(e["import_seconds"] for e in ready),
         "distributed": max(e["distributed_seconds"] for e in ready),
-        "to step": first(evs, "attempt.first_step", attempt=1)["t"] - max(e["t"] for e in ready),
+        "to step": first_step - max(e["t"] for e in ready),
     }
 
 
