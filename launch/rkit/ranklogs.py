@@ -42,6 +42,7 @@ class LogScan:
         self._next = 0.0
         self.found: dict[str, tuple[str, Path]] = {}
         self.restores: dict[Path, tuple[float, float]] = {}  # per log: Orbax's restore, (start, end)
+        self._restores_read = False  # restore_span was asked: later lines need not be searched for a restore
 
     def scan(self, force: bool = False) -> dict[str, tuple[str, Path]]:
         now = self.clock()
@@ -52,7 +53,7 @@ class LogScan:
                     for kind, pattern in PATTERNS.items():
                         if kind not in self.found and pattern.search(line):
                             self.found[kind] = (line.decode("utf-8", "replace").strip()[:400], path)
-                    if path not in self.restores and (m := RESTORED.search(line)):
+                    if not self._restores_read and path not in self.restores and (m := RESTORED.search(line)):
                         try:
                             start, seconds = float(m[1]), float(m[2])
                         except ValueError:
@@ -62,8 +63,10 @@ class LogScan:
 
     def restore_span(self, force: bool = False) -> tuple[float, float] | None:
         """Orbax's restore in the logs read so far: the first rank's start to the last rank's end (wall clock),
-        or None when no rank has restored (a fresh start, or an Orbax that does not log it)."""
+        or None when no rank has restored (a fresh start, or an Orbax that does not log it). Asked once, at the
+        attempt's first step: the lines after it are not searched for a restore."""
         self.scan(force)
+        self._restores_read = True
         if not self.restores:
             return None
         return min(a for a, _ in self.restores.values()), max(b for _, b in self.restores.values())
