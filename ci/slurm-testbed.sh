@@ -12,16 +12,20 @@
 # Host paths visible at the same path inside the cluster (and inside --container tasks): /tmp, this repository,
 # $HOME/.pyenv (if it exists), $HOME/.cache/rkit, $BASE/work, and the paths in $RKIT_SLURM_BINDS (space-separated).
 #
-# usage: ci/slurm-testbed.sh up | down | status | env | crash NODE | restore NODE | exec CMD...
+# usage: ci/slurm-testbed.sh up | down | status | env | crash NODE | restore NODE | timeouts SLURMD MESSAGE | exec CMD...
 #   up            build what is missing (root, packages, config) and start the cluster; quick if it is already up
 #   down          stop the cluster (kills the cluster namespace from its PID file)
 #   status        sinfo -N and the namespace; exit 0 if it is up with 3 responding nodes
 #   env           print the export lines for PATH and RKIT_SLURM_BASE
 #   crash NODE    kill node NODE (c1..c3) like a machine crash
 #   restore NODE  start NODE again and wait until it is idle or allocated
+#   timeouts SLURMD MESSAGE
+#                 set SlurmdTimeout and MessageTimeout of the running cluster (scontrol reconfigure) and keep them for
+#                 later ups; `timeouts 300 10` are Slurm's defaults, `timeouts 20 5` the test bed's fast ones
 #   exec CMD...   run CMD inside the cluster namespace
 # Environment: RKIT_SLURM_BASE (default /opt/rkit-ci/slurm), RKIT_SLURM_BINDS, RKIT_SLURM_PORT (default 7817; a second
-# test bed on the same machine needs its own base and port), DEBIAN_MIRROR.
+# test bed on the same machine needs its own base and port), DEBIAN_MIRROR, RKIT_SLURMD_TIMEOUT and
+# RKIT_MESSAGE_TIMEOUT (a new cluster's timeouts; default: the last `timeouts`, else 20 and 5).
 # Changes to the configuration (binds, ports, slurm.conf) apply to a running cluster only after down + up.
 # shellcheck disable=SC2016  # single-quoted $ is meant for the inner shell
 set -euo pipefail
@@ -157,6 +161,12 @@ install_packages() {
     for f in $PKG_FILES; do [ -e "$R/$f" ] || [ -L "$R/$f" ] || die "$R/$f is missing after apt-get (see $BASE/log/apt.log)"; done
 }
 
+# The cluster's SlurmdTimeout and MessageTimeout: fast ones by default (a crashed node is DOWN within ~30 s), Slurm's
+# own (300 s, 10 s) with `timeouts 300 10`, which the tests of rkit's own node liveness use.
+read -r SLURMD_TIMEOUT MESSAGE_TIMEOUT < <(cat "$BASE/timeouts" 2>/dev/null || echo "20 5")
+SLURMD_TIMEOUT=${RKIT_SLURMD_TIMEOUT:-$SLURMD_TIMEOUT}
+MESSAGE_TIMEOUT=${RKIT_MESSAGE_TIMEOUT:-$MESSAGE_TIMEOUT}
+
 configure() {
     local caps
     printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "$(hostname)" | put "$R/etc/hosts"
@@ -202,8 +212,8 @@ JobRequeue=1
 # it records any reply; with SlurmdTimeout=10 and the default MessageTimeout=10, a crash made slurmctld
 # declare a healthy node dead in the same round (and kill the job when it was the batch host). Keep
 # SlurmdTimeout well above ping interval (SlurmdTimeout/3) + MessageTimeout.
-SlurmdTimeout=20
-MessageTimeout=5
+SlurmdTimeout=$SLURMD_TIMEOUT
+MessageTimeout=$MESSAGE_TIMEOUT
 SlurmctldTimeout=10
 KillWait=5
 MinJobAge=300
@@ -336,6 +346,24 @@ cmd_restore() {
     log "$node is $st"
 }
 
+cmd_timeouts() {
+    [[ "$1" =~ ^[0-9]+$ && "$2" =~ ^[0-9]+$ ]] || die "timeouts: SLURMD and MESSAGE are seconds (e.g. 300 10)"
+    ns_alive || die "the cluster is not up: ci/slurm-testbed.sh up"
+    SLURMD_TIMEOUT=$1 MESSAGE_TIMEOUT=$2
+    mkdir -p "$BASE"
+    echo "$1 $2" > "$BASE/timeouts"
+    configure
+    incluster scontrol reconfigure || die "scontrol reconfigure failed"
+    local t=$SECONDS seen
+    until seen=$(incluster scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\) sec.*/\1/p') \
+            && [ "$seen" = "$1" ]; do
+        [ $((SECONDS - t)) -lt 60 ] || die "slurmctld still reports SlurmdTimeout=${seen:-?} after 60 s"
+        sleep 0.5
+    done
+    wait_nodes 120 idle mix alloc || die "nodes did not come back after the reconfigure"
+    log "SlurmdTimeout=$1 MessageTimeout=$2"
+}
+
 cmd_status() {
     local rc=0
     if ns_alive; then
@@ -356,6 +384,7 @@ status) cmd_status ;;
 env) print_env ;;
 crash) [ $# = 2 ] || die "usage: $0 crash NODE"; cmd_crash "$2" ;;
 restore) [ $# = 2 ] || die "usage: $0 restore NODE"; cmd_restore "$2" ;;
+timeouts) [ $# = 3 ] || die "usage: $0 timeouts SLURMD MESSAGE"; cmd_timeouts "$2" "$3" ;;
 exec) shift; [ $# -gt 0 ] || die "usage: $0 exec CMD..."; incluster "$@" ;;
 *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2 ;;
 esac

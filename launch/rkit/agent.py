@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import determinism, devices
+from .heartbeat import JAX_HEARTBEAT_ENV
 from .inject import FIRED_EVENT, Injection
 from .rundir import EV, UMASK_ENV, RunDir, open_for_writing, write_json_atomic
 from .telemetry import metrics
@@ -60,8 +61,14 @@ def init_distributed(ctx: AgentContext) -> None:
         return
     import jax
 
+    # Seconds without a heartbeat before JAX's coordination service declares a process dead (JAX's default: 100).
+    # The Slurm launcher sets it just above its own node detection (liveness.py), so the survivors of a dead node
+    # end within seconds even if rkit's supervisor could not act, instead of waiting in a collective.
+    extra = {}
+    if (heartbeat := os.environ.get(JAX_HEARTBEAT_ENV, "")).isdigit():
+        extra["heartbeat_timeout_seconds"] = int(heartbeat)
     jax.distributed.initialize(coordinator_address=ctx.coordinator, num_processes=ctx.processes,
-                               process_id=ctx.rank, coordinator_bind_address=ctx.coordinator)
+                               process_id=ctx.rank, coordinator_bind_address=ctx.coordinator, **extra)
 
 
 MAXTEXT_ENV_PREFIX = "M_"  # MaxText's pyconfig reads M_<KEY> as the setting <key>
@@ -304,11 +311,13 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
                          "recipe; put them in trainer.overrides\n")
         ctx.run.emit(EV.AGENT_ENV_DROPPED, attempt=ctx.attempt, rank=ctx.rank, names=dropped)
     bind_devices(ctx, os.environ)  # before JAX starts a backend: it reads the visibility variables once
+    # Health sampler, exporter and heartbeat (local rank 0 of a node only); before jax.distributed's set-up, so
+    # that a node lost while its peers wait there is seen too.
+    start_node_services(ctx.run, ctx.attempt)
     began = time.monotonic()
     init_distributed(ctx)
     distributed = time.monotonic() - began
     write_env_manifest(ctx)
-    start_node_services(ctx.run, ctx.attempt)  # health sampler + exporter; local rank 0 of a node only
     arm_stack_dumps(ctx)
     pump = MetricsPump(ctx).start()
     watch_preempt_request(ctx)

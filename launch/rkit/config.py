@@ -55,6 +55,15 @@ class Resilience:
     hang_factor: float
     hang_startup_seconds: float
     warm_standby: bool | str = "auto"  # standby ranks for the next attempt (backends/standby.py)
+    node_silence_seconds: float = 3.0  # Slurm: heartbeat silence (with no step progress) before a node is probed
+    node_probe_seconds: float = 5.0  # Slurm: the probe step's hard timeout (liveness.py)
+
+    @property
+    def jax_heartbeat_seconds(self) -> int:
+        """JAX's coordination-service heartbeat timeout for Slurm attempts: just after rkit's own detection (a
+        node's silence plus its probe), so that rkit names the node first and JAX ends the survivors soon after
+        if rkit could not act. At least 10 s: JAX sends a heartbeat every few seconds."""
+        return max(10, int(2 * (float(self.node_silence_seconds) + float(self.node_probe_seconds))))
 
     def standby_on(self, processes_per_node: int, cpus: int | None) -> bool:
         """auto: on when a node (this machine, or the Slurm batch host's allocation) has 4 cores per rank or

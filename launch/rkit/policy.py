@@ -57,11 +57,13 @@ class Cause(enum.Enum):
     DISK_FULL = "disk_full"          # a write failed for space (a checkpoint save): no restart into a full disk
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the step resumed from could not be restored: quarantined
     PORT_IN_USE = "port_in_use"      # jax.distributed's coordinator could not listen: the next attempt gets another
+    STEP_FAILED = "step_failed"      # the launcher could not start the ranks (Slurm refused the step, a node did
+                                     # not take its tasks, the step ended before any rank's agent began)
 
     @property
     def infrastructure(self) -> bool:
         return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST, Cause.CORRUPT_CHECKPOINT,
-                        Cause.PORT_IN_USE)
+                        Cause.PORT_IN_USE, Cause.STEP_FAILED)
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,9 @@ class Outcome:
 
     @property
     def signature(self) -> str | None:
-        """Two attempts with the same signature failed the same way. Preemptions and lost supervisors are
-        events of the cluster, not of the job: they have none and never make a crash loop."""
+        """Two attempts with the same signature failed the same way. Preemptions, lost supervisors and steps the
+        launcher could not start are events of the cluster, not of the job: they have none and never make a crash
+        loop."""
         step = "?" if self.step is None else str(self.step)
         if self.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL):
             return f"{self.cause.value} rank={self.rank} code={self.code} step={step}"
@@ -235,6 +238,8 @@ class Observation:
     last_steps: Mapping[int, int | None] = field(default_factory=dict)  # each rank's newest step
     step: int | None = None  # the attempt's furthest step
     failed_nodes: tuple[str, ...] = ()  # nodes the launcher reported dead with the attempt
+    dead_nodes: Mapping[str, str] = field(default_factory=dict)  # nodes rkit's liveness confirmed dead: why
+    launch_failed: str | None = None  # the launcher could not start the ranks: what it said
     down_nodes: tuple[str, ...] = ()  # the attempt's nodes the scheduler reports dead (asked on a stop signal)
     interrupted: bool = False  # Ctrl-C, or SIGTERM to the supervisor
     preempt: str | None = None  # the scheduler's time-limit or preemption signal, by name
@@ -289,6 +294,11 @@ def classify(obs: Observation) -> Ending | None:
                       exclude=down)
     if obs.interrupted:
         return Ending(Cause.INTERRUPTED, "interrupted by the user", Stop.GRACE)
+    if obs.dead_nodes:  # its peers wait in a collective; Slurm would see it only after SlurmdTimeout
+        dead = tuple(sorted(obs.dead_nodes))
+        why = "; ".join(f"{node}: {obs.dead_nodes[node]}" for node in dead)
+        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(dead)} (at step {_fmt(obs.step)}): {why}",
+                      Stop.NOW, step=obs.step, nodes=dead, exclude=dead)
     if obs.disk_full:  # a save that failed for space never succeeds on retry, and its trainer may sit forever
         return Ending(Cause.DISK_FULL, f"disk full: {obs.disk_full}", Stop.NOW, step=obs.step)
     if obs.restore_failed:  # its peers would wait in jax.distributed's shutdown barrier for minutes
@@ -310,6 +320,11 @@ def classify(obs: Observation) -> Ending | None:
         return Ending(Cause.HANG, f"hang: rank {rank} made no step progress for {hang.seconds_silent:.0f} s "
                                   f"(timeout {hang.timeout:.0f} s, last step {_fmt(last)})", Stop.HANG,
                       rank=rank, step=last)
+    if failed and obs.launch_failed:  # never a rank's exit code, never a crash loop: the nodes it names are left out
+        lost = tuple(obs.failed_nodes)
+        on = f" on {', '.join(lost)}" if lost else ""
+        return Ending(Cause.STEP_FAILED, f"the job step could not start its ranks{on}: {obs.launch_failed}",
+                      Stop.NOW, step=obs.step, nodes=lost, exclude=lost)
     if failed:
         first = failed[0]
         last = obs.last_steps.get(first.rank)

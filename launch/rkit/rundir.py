@@ -54,6 +54,9 @@ class EV:
     PREEMPT_UNSAVED = "preempt.unsaved"
     PREEMPT_ESCALATED = "preempt.escalated"
     NODES_EXCLUDED = "nodes.excluded"
+    NODE_SUSPECTED = "node.suspected"  # heartbeat silent and no step progress on the node: the probe step starts
+    NODE_ALIVE = "node.alive"  # a suspected node answered its probe (slow, not dead): the attempt goes on
+    NODE_DEAD = "node.dead"  # a suspected node failed its probe: excluded, the attempt restarted without it
     NODE_STRAGGLER = "node.straggler"
     INJECT_FIRED = "inject.fired"
     DISK_LOW = "disk.low"

@@ -240,7 +240,8 @@ def supervise(run_path: Path) -> RunState:
         binds=(str(run.path.resolve()), jax_cache), gpu_flags=tuple(image.gpu_flags) if image else (),
         python=sys.executable, exclude=tuple(excluded), image_python=image.python if image else "/opt/venv/bin/python",
         agent_path=bound_agent(run, image),
-        warm_standby=config.resilience.standby_on(res.processes_per_node, slurm.cpus_on_node()))
+        warm_standby=config.resilience.standby_on(res.processes_per_node, slurm.cpus_on_node()),
+        liveness=config.resilience)
     lock = _acquire_with_patience(run)
     try:
         run.emit(EV.JOB_STARTED, job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),

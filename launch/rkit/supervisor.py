@@ -113,6 +113,8 @@ class Supervisor:
         finally:
             if self.backend.standby is not None:
                 self.backend.standby.dismiss()
+            if self.backend.liveness is not None:
+                self.backend.liveness.close()
 
     def _run_to_end(self) -> RunState:
         r = self.config.resilience
@@ -222,6 +224,8 @@ class Supervisor:
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                           nodes=info["nodes"], processes=self.processes, injections=info["injections"])
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before)
+            if self.backend.liveness is not None:
+                self.backend.liveness.watch(attempt, info["nodes"], self.config.resources.processes_per_node)
             ending = self._watch(handle, attempt, watch, info["nodes"], sigterm_at)
         except BaseException:  # the supervisor itself failed (an unwritable run directory): no rank runs on
             self.backend.stop(handle, grace=0)
@@ -259,8 +263,9 @@ class Supervisor:
                     self.backend.standby.fill()
                 for note in self.backend.standby.check():
                     self.run.emit(EV.STANDBY, attempt=attempt, **note)
+            dead = self._liveness(attempt, watch) if ending is None else {}
             if ending is None:
-                observed = self._observe(handle, watch, exits, sigterm_at)
+                observed = self._observe(handle, watch, exits, sigterm_at, dead)
                 ending = classify(observed)
                 if ending is not None:
                     save_deadline = self._end(ending, observed, handle, attempt, nodes, sigterm_at)
@@ -276,8 +281,18 @@ class Supervisor:
             time.sleep(self.poll_seconds)
         return ending
 
+    def _liveness(self, attempt: int, watch: AttemptWatch) -> dict[str, str]:
+        """Heartbeats and probes (liveness.py): the nodes confirmed dead in this pass, with why."""
+        liveness = self.backend.liveness
+        if liveness is None:
+            return {}
+        notes, dead = liveness.check(watch.hang.last_progress)
+        for note in notes:
+            self.run.emit(note.pop("event"), attempt=attempt, **note)
+        return dead
+
     def _observe(self, handle: Handle, watch: AttemptWatch, exits: dict[int, RankExit],
-                 sigterm_at: Injection | None) -> Observation:
+                 sigterm_at: Injection | None, dead: dict[str, str]) -> Observation:
         failed = any(e.returncode != 0 for e in exits.values())
         if failed:
             watch.read()  # a failed rank's last lines may have landed after this round's read
@@ -286,7 +301,7 @@ class Supervisor:
         everyone_exited = len(exits) >= self.processes
         return Observation(
             processes=self.processes, exits=tuple(exits.values()), last_steps=watch.last_steps(), step=step,
-            failed_nodes=tuple(handle.failed_nodes),
+            failed_nodes=tuple(handle.failed_nodes), dead_nodes=dead, launch_failed=handle.launch_failed,
             down_nodes=tuple(self.backend.down_nodes(handle)) if self._interrupted else (),
             interrupted=self._interrupted, preempt=self._preempt,
             inject_sigterm=(sigterm_at.spec if sigterm_at is not None and step is not None
@@ -301,15 +316,17 @@ class Supervisor:
     def _end(self, ending: Ending, observed: Observation, handle: Handle, attempt: int, nodes: list[str],
              sigterm_at: Injection | None) -> float | None:
         """Record how the attempt ends and end its processes that way; a save returns its SIGKILL deadline."""
-        if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL):
+        if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL, Cause.STEP_FAILED):
             first = handle.exits.get(ending.rank) if ending.rank is not None else None
+            detected = self._detection(ending, observed)
             self.run.emit(EV.ATTEMPT_FAILED, attempt=attempt, cls=ending.cause.value, rank=ending.rank,
                           exit_code=first.returncode if first and first.returncode >= 0 else None,
                           signal=first.signal_name if first else ("SIGTERM" if ending.nodes else None),
                           last_step=ending.step,
                           node=first.node if first and first.node else
                           (ending.nodes[0] if first is None and ending.nodes else nodes[0]),
-                          lost_nodes=list(ending.nodes))
+                          lost_nodes=list(ending.nodes), **detected)
+            handle.failed_nodes.extend(n for n in ending.nodes if n not in handle.failed_nodes)
         if ending.stop is Stop.NOW:
             self.backend.stop(handle, grace=0)
         elif ending.stop is Stop.GRACE:
@@ -326,6 +343,16 @@ class Supervisor:
                           attempt=attempt, spec=sigterm_at.spec)
             return self._request_save(handle, attempt, ending.step, reason="injected")
         return None
+
+    def _detection(self, ending: Ending, observed: Observation) -> dict[str, object]:
+        """Who saw a node failure first (rkit's heartbeats and probe, or Slurm through srun), and how long after the
+        node's last heartbeat, where it sent any."""
+        if ending.cause is not Cause.NODE_FAIL:
+            return {}
+        liveness = self.backend.liveness
+        heard = [t for n in ending.nodes if liveness is not None and (t := liveness.last_heard(n)) is not None]
+        after = {"detect_seconds": round(self.clock() - min(heard), 3)} if heard else {}
+        return {"detected_by": "rkit" if observed.dead_nodes else "slurm", **after}
 
     def _end_hung_attempt(self, handle: Handle, attempt: int, ending: Ending, observed: Observation,
                           nodes: list[str]) -> None:

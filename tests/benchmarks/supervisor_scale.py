@@ -76,6 +76,8 @@ class GeneratorBackend:
     seconds: float
     name: str = "generated"
     exclude: list[str] = field(default_factory=list)
+    standby: None = None
+    liveness: None = None
 
     def prepare(self, *, attempt, processes, trainer_args, base_env, attempt_dir, cwd, port=None, host_env=None):
         return GeneratedRequest(attempt, processes)

@@ -69,6 +69,7 @@ class FakeBackend:
 
     name = "fake"
     standby = None
+    liveness = None
 
     def __init__(self, run: RunDir, sup_ref: list, script: Script, nodes: tuple[str, ...] = ("n1", "n2", "n3"),
                  per_step: int = 2):
@@ -209,14 +210,14 @@ class Clock:
 
 
 def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3"),
-         image: ImageIdentity | None = None) -> tuple[Supervisor, FakeBackend]:
+         image: ImageIdentity | None = None, backend_class: type = None) -> tuple[Supervisor, FakeBackend]:
     recipe = load_recipe(TINY, [f"trainer.steps={STEPS}", f"checkpoint.period={PERIOD}", "launcher=slurm",
                                 "resources.nodes=2", "resources.processes_per_node=1",
                                 "resilience.hang_timeout=5", "resilience.signal_grace_seconds=3", *overrides])
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     ref: list = []
-    backend = FakeBackend(run, ref, script, nodes=nodes)
+    backend = (backend_class or FakeBackend)(run, ref, script, nodes=nodes)
     missing = [m for m in vars(Backend) if not m.startswith("_") and not hasattr(backend, m)]
     assert not missing, f"the fake backend lacks {missing} of the Backend protocol"
     sup = Supervisor(run=run, config=recipe.config, injections=[], backend=backend, base_env={},

@@ -77,6 +77,9 @@ class Handle:
 
     exits: dict[int, RankExit] = field(default_factory=dict)  # ranks that exited, in the order noticed
     failed_nodes: list[str] = field(default_factory=list)  # nodes the launcher reported dead with the attempt
+    # The launcher could not start the attempt's processes (Slurm could not create the step, a task could not be
+    # launched on a node, or the step failed before any rank's agent started): what it said. Infrastructure.
+    launch_failed: str | None = None
 
     def pids(self) -> dict[str, int]:
         """The processes to look for when the supervisor is gone (attempt.json's `pids`)."""
@@ -87,6 +90,7 @@ class Backend(Protocol):
     name: str
     exclude: list[str]  # nodes kept out of every later attempt (always empty where nodes cannot be chosen)
     standby: Any  # a StandbyPool (backends/standby.py) where warm standbys are on, else None
+    liveness: Any  # a NodeLiveness (liveness.py) where nodes can die apart from the supervisor's, else None
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,
@@ -107,7 +111,8 @@ class Backend(Protocol):
         ...
 
     def stop(self, handle: Any, grace: float) -> None:
-        """Idempotent: SIGTERM, up to `grace` seconds, then SIGKILL; every process reaped."""
+        """Idempotent: SIGTERM, up to `grace` seconds, then SIGKILL; every process reaped (a launcher that waits
+        for a node in `handle.failed_nodes` is not waited for)."""
         ...
 
     def nodes(self, handle: Any) -> list[str]: ...

@@ -103,6 +103,7 @@ class LocalBackend:
         self.container = container
         self.exclude: list[str] = []
         self.standby = StandbyPool(container is not None) if warm_standby else None
+        self.liveness = None  # one machine, the supervisor's own: it cannot die apart from the supervisor
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,

@@ -18,9 +18,10 @@ import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, Resilience
 from ..errors import RkitError
-from ..rundir import RunDir, current_umask, open_for_writing, write_atomic
+from ..liveness import HeartbeatListener, NodeLiveness
+from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
 from ..stamp import redact
 from . import gpu_health, shared_paths
 from .base import Handle, NotEnoughNodes, RankExit, wait_for_dump
@@ -141,6 +142,12 @@ def submit(request: BatchRequest) -> str:
 
 
 SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+# srun could not start the step's tasks: Slurm refused the step, or a node did not take its tasks.
+SRUN_LAUNCH_FAILED = re.compile(r"srun: error: (?:Unable to create step for job \S+: .+|Task launch for StepId=\S+ "
+                                r"failed on node (\S+?):? .+|.*Requested node configuration is not available.*)")
+# How long srun may take to end after its step was cancelled while a node of the step is dead: srun waits for that
+# node's tasks until Slurm declares the node down (SlurmdTimeout, 300 s by default); its other tasks are gone.
+LOST_NODE_WAIT = 5.0
 SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")
 
 
@@ -208,7 +215,7 @@ class SlurmStepBackend:
                  sif: str | None = None, binds: tuple[str, ...] = (), gpu_flags: tuple[str, ...] = (),
                  python: str | None = None, exclude: tuple[str, ...] = (),
                  image_python: str = "/opt/venv/bin/python", agent_path: str | None = None,
-                 warm_standby: bool = False):
+                 warm_standby: bool = False, liveness: Resilience | None = None):
         self.nodes_per_step = nodes_per_step
         self.tasks_per_node = tasks_per_node
         self.container_launch = container_launch
@@ -219,9 +226,23 @@ class SlurmStepBackend:
         self.exclude = list(exclude)
         self.image_python = image_python  # the image's Python (imageagent.probe)
         self.agent_path = agent_path  # an image without rkit's agent: the bound copy's directory
-        # The next attempt's step, started beside the live one (slurm_standby.py); reached at this node's address.
-        self.standby = SlurmStandbyPool(self._cancel_step, node_address(
-            os.environ.get("SLURMD_NODENAME") or socket.gethostname())) if warm_standby else None
+        # How the nodes reach this host (its NodeAddr): the standby step's and the heartbeats' address.
+        address = node_address(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        # The next attempt's step, started beside the live one (slurm_standby.py).
+        self.standby = SlurmStandbyPool(self._cancel_step, address) if warm_standby else None
+        # Every node's heartbeat and the probe step that confirms a silent node dead (liveness.py).
+        self.liveness = None if liveness is None else NodeLiveness(
+            HeartbeatListener(address), self.start_probe, silence=float(liveness.node_silence_seconds),
+            probe_timeout=float(liveness.node_probe_seconds), jax_heartbeat_seconds=liveness.jax_heartbeat_seconds,
+            clock=time.monotonic)
+
+    def start_probe(self, node: str) -> subprocess.Popen:
+        """A one-task step on `node` that runs `true` (liveness.py's second channel): --overlap, so that neither
+        the live attempt nor a step Slurm still counts on a dead node keeps it waiting."""
+        return subprocess.Popen(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+                                 f"--job-name=probe-{node}", "--output=none", "true"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, start_new_session=True)
 
     def allocation(self) -> list[str]:
         return hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]
@@ -249,8 +270,12 @@ class SlurmStepBackend:
         env = dict(host_env or os.environ)
         env.update(base_env)
         env.update({"RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1"})
+        if self.liveness is not None:
+            env.update(self.liveness.environment())
         env.pop("RKIT_RANK", None)  # each task's rank is its SLURM_PROCID
-        srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={processes}",
+        # --overlap: a step that Slurm still counts on a dead node (until SlurmdTimeout) holds its CPUs on the
+        # live ones too; without it the next attempt's step would wait for them ("Requested nodes are busy").
+        srun = ["srun", "--overlap", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={processes}",
                 f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
                 f"--output={attempt_dir / RunDir.rank_log_name('%t')}", "--export=ALL", f"--job-name=attempt-{attempt}"]
         agent = ["-m", "rkit.agent", *trainer_args]
@@ -308,15 +333,35 @@ class SlurmStepBackend:
                 elif sig:
                     exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node))
         for match in SRUN_NODE_FAIL.finditer(text):
-            node = match.group(1) or match.group(2)
+            node = (match.group(1) or match.group(2) or "").rstrip(":,.")
             if node and node not in handle.failed_nodes:
                 handle.failed_nodes.append(node)
+        if code != 0 and handle.launch_failed is None:
+            handle.launch_failed = self._launch_failure(handle, text, exits)
         processes = int(handle.request.env.get("RKIT_NPROCS", "1"))
         # Ranks srun did not name: 0 when the step succeeded, srun's own code when nothing was named,
         # else killed because a peer failed (--kill-on-bad-exit).
         for rank in range(processes):
             exits.setdefault(rank, RankExit(rank, 0 if code == 0 else (code if not exits else -signal.SIGKILL)))
         return exits
+
+    def _launch_failure(self, handle: StepHandle, text: str, exits: dict[int, RankExit]) -> str | None:
+        """What srun said when it could not start the step (the nodes it named go to `failed_nodes`), or, when no
+        rank's agent started at all, srun's last error line: the step failed before training could."""
+        found = [m for m in SRUN_LAUNCH_FAILED.finditer(text)]
+        for match in found:
+            if (node := match.group(1)) and node not in handle.failed_nodes:
+                handle.failed_nodes.append(node)
+        if found:
+            return found[0].group(0).removeprefix("srun: error: ").strip()
+        run, attempt = RunDir(handle.request.env["RKIT_RUN_DIR"]), handle.request.attempt
+        if any(e.get("event") == EV.AGENT_STARTED and e.get("attempt") == attempt for e in run.events()):
+            return None
+        for rank_exit in exits.values():  # srun named the nodes whose tasks ended before their agent began
+            if rank_exit.node and rank_exit.returncode != 0 and rank_exit.node not in handle.failed_nodes:
+                handle.failed_nodes.append(rank_exit.node)
+        errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+        return "no rank started" + (f" ({errors[-1][:300]})" if errors else "")
 
     def running(self, handle: StepHandle) -> list[int]:
         return [] if handle.proc.poll() is not None else list(range(int(handle.request.env["RKIT_NPROCS"])))
@@ -358,7 +403,7 @@ class SlurmStepBackend:
         if handle.proc.poll() is None:
             self.signal_all(handle, signal.SIGKILL)
             try:
-                handle.proc.wait(timeout=60)
+                handle.proc.wait(timeout=LOST_NODE_WAIT if handle.failed_nodes else 60)
             except subprocess.TimeoutExpired:
                 os.killpg(handle.proc.pid, signal.SIGKILL)
                 handle.proc.wait()

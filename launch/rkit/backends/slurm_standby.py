@@ -49,7 +49,7 @@ def standby_argv(argv: list[str], out_dir: Path, name: str) -> list[str]:
         elif item.startswith("--job-name="):
             item = f"--job-name={name}"
         out.append(item)
-    return [out[0], "--overlap", *out[1:], "rkit.standby"]
+    return [out[0], *([] if "--overlap" in out else ["--overlap"]), *out[1:], "rkit.standby"]
 
 
 def shape(argv: list[str], env: dict[str, str], nodes: list[str]) -> str:

@@ -1,4 +1,5 @@
-"""One process per node and attempt: the health sampler plus this node's Prometheus exporter.
+"""One process per node and attempt: the health sampler, this node's Prometheus exporter, and its heartbeat to
+the supervisor (heartbeat.py; when the launcher asked for it).
 
     python -m rkit.telemetry.node --run DIR --attempt N --node NAME --node-index I
 
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import heartbeat
 from ..config import Observability
 from ..errors import RkitError
 from ..rundir import EV, RunDir, open_for_writing, write_json_atomic
@@ -71,7 +73,7 @@ def start_node_services(run: RunDir, attempt: int, node: str | None = None, node
         if not is_node_leader(launcher, env):
             return None
         obs = config.observability
-        if obs.telemetry_interval_seconds == 0 and not obs.prometheus.enabled:
+        if obs.telemetry_interval_seconds == 0 and not obs.prometheus.enabled and not heartbeat.wanted(env):
             return None
         node = node or node_name(env)
         index = node_index_from_env(launcher, env) if node_index is None else node_index
@@ -162,14 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                                           args=(float(settings.telemetry_interval_seconds), stop))
         sampler_thread.start()
 
-    if exporter is None and sampler_thread is None:
+    beats = heartbeat.start_sender(args.node, args.attempt, os.environ, stop)
+    if exporter is None and sampler_thread is None and beats is None:
         return 0  # nothing asked for (or nothing could start): no idle process beside the trainer
     while not stop.wait(PARENT_POLL_SECONDS):
         if os.getppid() != parent:
             break
     stop.set()
-    if sampler_thread is not None:
-        sampler_thread.join(timeout=5)
+    for thread in (sampler_thread, beats):
+        if thread is not None:
+            thread.join(timeout=5)
     if exporter is not None:
         exporter.close()
     return 0

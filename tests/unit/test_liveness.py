@@ -1,0 +1,231 @@
+"""rkit's own node liveness (heartbeat.py, liveness.py): the signed heartbeat, the suspicion policy, real UDP
+heartbeats from the sender thread, and the attempt loop on a fake backend whose nodes send real heartbeats: a dead
+node is confirmed by its failed probe, excluded and replaced; a slow node that answers its probe is left alone.
+The probe and the death on the real Slurm test bed are in tests/integration/test_slurm_liveness.py."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from rkit import heartbeat
+from rkit.backends.base import RankExit
+from rkit.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, suspects
+from rkit.policy import Budgets, Cause, Observation, Outcome, Tally, classify, decide
+from rkit.recipe import load_recipe
+from rkit.rundir import EV
+
+from ..conftest import TINY, wait_until
+from .test_attempt_loop import STEPS, FakeBackend, Script, attempt, events, make
+
+
+def test_a_heartbeat_verifies_only_under_its_token():
+    data = heartbeat.encode("k" * 32, "c2", 3, 17)
+    assert heartbeat.decode("k" * 32, data) == heartbeat.Beat("c2", 3, 17)
+    assert heartbeat.decode("x" * 32, data) is None  # another job's, or forged
+    tampered = data.replace(b" 17 ", b" 18 ")
+    assert heartbeat.decode("k" * 32, tampered) is None
+    for junk in (b"", b"\xff\xfe", b"rkit-hb1 c2 3", b"rkit-hb1 c2 three 17 00", b"GET / HTTP/1.1"):
+        assert heartbeat.decode("k" * 32, junk) is None
+
+
+def test_no_supervisor_in_the_environment_no_sender():
+    assert heartbeat.target({}) is None and not heartbeat.wanted({})
+    assert heartbeat.target({heartbeat.ADDRESS_ENV: "127.0.0.1:x", heartbeat.TOKEN_ENV: "t"}) is None
+    assert heartbeat.start_sender("n", 1, {}, threading.Event()) is None
+
+
+def test_suspects_are_silent_nodes_whose_ranks_made_no_progress():
+    nodes = {"a": 100.0, "b": 100.0, "c": 109.0}
+    ranks = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    progress = {0: 100.0, 1: 108.0, 2: 100.0, 3: 101.0, 4: 100.0, 5: 100.0}
+    found = suspects(nodes, ranks, progress, now=110.0, silence=3)
+    # a: silent 10 s but rank 1 trained 2 s ago (its heartbeat process died, the node lives); c: heard 1 s ago
+    assert [(s.node, s.silent, s.stalled) for s in found] == [("b", 10.0, 9.0)]
+    assert suspects(nodes, ranks, progress, now=110.0, silence=20) == []
+
+
+def test_the_sender_thread_reaches_the_listener_over_udp():
+    listener = HeartbeatListener("127.0.0.1")
+    stop = threading.Event()
+    try:
+        thread = heartbeat.start_sender("c1", 4, listener.environment(), stop, interval=0.05)
+        beats = wait_until(listener.drain, 10, "a heartbeat")
+        assert beats[0].node == "c1" and beats[0].attempt == 4
+        # A datagram from anyone else is dropped, and reading never waits when nothing came.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            port = int(listener.environment()[heartbeat.ADDRESS_ENV].rpartition(":")[2])
+            sock.sendto(heartbeat.encode("not the token", "c9", 4, 0), ("127.0.0.1", port))
+        stop.set()
+        thread.join(5)
+        assert all(b.node == "c1" for b in listener.drain())
+        assert listener.drain() == []
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_liveness_settings_set_jax_heartbeat_just_after_rkits_detection():
+    r = load_recipe(TINY, ["launcher=slurm"]).config.resilience
+    assert (r.node_silence_seconds, r.node_probe_seconds, r.jax_heartbeat_seconds) == (3, 5, 16)
+    r = load_recipe(TINY, ["resilience.node_silence_seconds=1", "resilience.node_probe_seconds=1"]).config.resilience
+    assert r.jax_heartbeat_seconds == 10
+
+
+# ---------------------------------------------------------------- the attempt loop with real heartbeats
+
+
+class BeatingBackend(FakeBackend):
+    """The fake backend's nodes send real heartbeats (one per poll); a `silence` fault stops node n2's heartbeats
+    and every rank's progress for a number of polls, and its probe answers (`alive`) or fails."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.liveness = NodeLiveness(HeartbeatListener("127.0.0.1"), self.start_probe, silence=3, probe_timeout=5,
+                                     jax_heartbeat_seconds=16, clock=lambda: self.sup_ref[0].clock())
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        host, _, port = self.liveness.environment()[heartbeat.ADDRESS_ENV].rpartition(":")
+        self.to, self.token = (host, int(port)), self.liveness.listener.token
+        self.quiet: dict[str, int] = {}  # node -> polls left without its heartbeat
+        self.probed: list[str] = []
+
+    def start_probe(self, node: str) -> subprocess.Popen:
+        self.probed.append(node)
+        fault = self.script.faults["silence"]
+        proc = subprocess.Popen(["true" if fault[3] == "alive" else "false"], stdout=subprocess.PIPE, text=True)
+        proc.wait()
+        return proc
+
+    def poll(self, handle):
+        fault = self.script.faults.get("silence")  # (attempt, step, polls, alive|dead)
+        if fault and handle.attempt == fault[0] and handle.step.get(0) == fault[1] and "n2" not in self.quiet:
+            self.quiet["n2"] = fault[2]
+            handle.silent.update(handle.step)
+        for node in self.nodes(handle):
+            if self.quiet.get(node, 0) > 0:
+                continue
+            self.sock.sendto(heartbeat.encode(self.token, node, handle.attempt, 0), self.to)
+        if self.quiet.get("n2", 0) > 0:
+            self.quiet["n2"] -= 1
+            if self.quiet["n2"] == 0 and fault[3] == "alive":
+                handle.silent.clear()  # the slow node catches up
+            return handle.exits
+        return super().poll(handle)
+
+
+@pytest.mark.parametrize("fate", ["dead", "alive"])
+def test_a_silent_node_is_probed_then_excluded_if_dead_and_left_alone_if_alive(tmp_path, fate):
+    sup, backend = make(tmp_path, Script(silence=(1, 6, 12, fate)), "resilience.hang_timeout=600",
+                        backend_class=BeatingBackend)
+    first = attempt(sup)
+    suspected = events(sup.run, EV.NODE_SUSPECTED)
+    assert suspected and suspected[0]["node"] == "n2" and suspected[0]["silent_seconds"] > 3
+    assert backend.probed[0] == "n2"
+    if fate == "alive":  # a slow node: the probe answers, the attempt goes on and finishes
+        assert first.cause is Cause.COMPLETED and not events(sup.run, EV.NODE_DEAD)
+        assert events(sup.run, EV.NODE_ALIVE)[0]["how"] == "it answered the probe step"
+        assert backend.exclude == [] and not events(sup.run, EV.ATTEMPT_FAILED)
+        return
+    assert first.cause is Cause.NODE_FAIL and first.nodes == ("n2",) and not first.requeue
+    assert first.detail.startswith("node failure on n2 (at step 6): n2: no heartbeat for ")
+    assert "the probe step failed (exit 1)" in first.detail
+    dead = events(sup.run, EV.NODE_DEAD)[0]
+    assert dead["node"] == "n2" and dead["detected_by"] == "rkit" and dead["heard_from"]
+    failed = events(sup.run, EV.ATTEMPT_FAILED)[0]
+    assert failed["cls"] == "node_fail" and failed["detected_by"] == "rkit" and failed["detect_seconds"] > 3
+    assert backend.exclude == ["n2"] and backend.stops == [0]
+    second = attempt(sup)  # on the spare
+    assert second.cause is Cause.COMPLETED and backend.nodes(None) == ["n1", "n3"]
+    assert second.committed_after == STEPS - 1
+
+
+def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
+    now = [0.0]
+    probes: list[str] = []
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or _done("false"), silence=3,
+                        probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    try:
+        live.watch(1, ["c1", "c2"], 1)
+        now[0] = STARTUP_SILENCE - 1
+        assert live.check({}) == ([], {}) and probes == []
+        now[0] = STARTUP_SILENCE + 1  # never heard from: probed, and dead when the probe fails
+        notes, dead = live.check({})
+        assert probes == ["c1", "c2"] and [n["event"] for n in notes] == ["node.suspected"] * 2
+        notes, dead = live.check({})
+        assert sorted(dead) == ["c1", "c2"] and dead["c1"].startswith("no heartbeat since the attempt started")
+    finally:
+        live.close()
+
+
+def test_a_probe_that_does_not_answer_in_time_confirms_the_node_dead():
+    now = [0.0]
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: subprocess.Popen(["sleep", "60"]), silence=3,
+                        probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    try:
+        live.watch(1, ["c1"], 1)
+        now[0] = STARTUP_SILENCE + 1
+        live.check({})
+        now[0] += 4
+        assert live.check({})[1] == {}  # still within the probe's time
+        now[0] += 2
+        notes, dead = live.check({})
+        assert "did not answer within 5 s" in dead["c1"] and notes[0]["event"] == "node.dead"
+    finally:
+        live.close()
+
+
+def _done(program: str) -> subprocess.Popen:
+    proc = subprocess.Popen([program], stdout=subprocess.PIPE, text=True)
+    proc.wait()
+    return proc
+
+
+def test_a_step_the_launcher_could_not_start_is_infrastructure_and_never_a_crash_loop():
+    obs = Observation(processes=2, exits=(RankExit(0, 1, "c2"), RankExit(1, -9)), failed_nodes=("c2",),
+                      launch_failed="Unable to create step for job 7: Requested node configuration is not available")
+    ending = classify(obs)
+    assert ending.cause is Cause.STEP_FAILED and ending.exclude == ("c2",)
+    assert ending.detail.startswith("the job step could not start its ranks on c2: Unable to create step")
+    budgets, tally = Budgets(3, 10, 2), Tally()
+    for _ in range(5):  # the same words five times: still restarts, on the infrastructure budget
+        decision, tally = decide(tally, Outcome(ending.cause, 10, 10, ending.detail, nodes=ending.nodes), budgets,
+                                 False)
+        assert decision.action.value == "restart"
+    assert tally.infra_failures == 5 and tally.repeats == 0
+
+
+SRUN_LOGS = {
+    "refused": ("srun: error: Unable to create step for job 41: Requested node configuration is not available\n",
+                "Unable to create step for job 41: Requested node configuration is not available", []),
+    "launch": ("srun: error: Task launch for StepId=41.3 failed on node c2: Communication connection failure\n"
+               "srun: error: Application launch failed: Communication connection failure\n",
+               "Task launch for StepId=41.3 failed on node c2: Communication connection failure", ["c2"]),
+    "before agents": ("srun: error: c3: task 1: Exited with exit code 255\n", "no rank started (srun: error: c3: "
+                      "task 1: Exited with exit code 255)", ["c3"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SRUN_LOGS))
+def test_srun_failing_to_start_the_step_names_what_slurm_said_and_the_nodes(tmp_path, case):
+    from rkit.backends.slurm import SlurmStepBackend, StepHandle, StepRequest
+    from rkit.rundir import RunDir
+
+    text, said, nodes = SRUN_LOGS[case]
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    log = tmp_path / "srun.log"
+    log.write_text(text)
+    request = StepRequest(attempt=1, argv=["srun"], env={"RKIT_RUN_DIR": str(run.path), "RKIT_NPROCS": "2"},
+                          nodes=["c1", "c3"], log=log, cwd=tmp_path, processes=2)
+    backend = SlurmStepBackend(nodes_per_step=2, tasks_per_node=1)
+    handle = StepHandle(request=request, proc=_done("false"))
+    backend.poll(handle)
+    assert handle.launch_failed == said and handle.failed_nodes == nodes
+    # Once a rank's agent started, a task failure is the rank's own (its exit code), not the launcher's.
+    run.emit(EV.AGENT_STARTED, attempt=1, rank=0, pid=1, warm=False)
+    again = StepHandle(request=request, proc=_done("false"))
+    backend.poll(again)
+    assert (again.launch_failed is None) == (case == "before agents")
