@@ -1,13 +1,20 @@
 """Recovery times on the Slurm test bed, median of N (real Slurm, real Apptainer, real MaxText).
 
     eval "$(ci/slurm-testbed.sh env)"
-    python tests/benchmarks/slurm_faults.py --image SIF [--repeats 3]
+    python tests/benchmarks/slurm_faults.py --image SIF [--repeats 3] [--timeouts 300,10]
+
+--timeouts SLURMD,MESSAGE: the test bed's SlurmdTimeout and MessageTimeout for this measurement (Slurm's defaults
+are 300,10; the test bed's own 20,5), set back afterwards.
 
 node crash: the node running rank 1 (not the batch host) is crashed at step >= 25; a spare node replaces it.
-  detection  crash -> the supervisor sees the step fail (Slurm notices the node is gone)
-  relaunch   failure -> the next step is launched on healthy nodes
+  detection  crash -> the attempt ends as a node failure (rkit's heartbeats and probe step, or Slurm through srun:
+             `by` says which saw it first)
+  stop       -> the attempt's step cancelled and its srun gone (attempt.ended)
+  relaunch   -> the next step launched on healthy nodes
   container  step launched -> agents running in the container
-  maxtext    agents running -> first trained step (MaxText start, compile cache, Orbax restore)
+  imports    -> the agents' imports done; distributed: jax.distributed set up (agent.ready)
+  restore    Orbax's restore; compile: the rest up to the first step (MaxText's set-up and compilation)
+  total      crash -> first resumed step
 batch host crash: the node running the batch script (and rkit's supervisor) is crashed at step >= 25, no spare;
   detection  crash -> Slurm takes the job off the node (squeue leaves RUNNING: NODE_FAIL, requeue)
   requeue wait  -> the batch script runs again (Slurm's requeue hold, cred_expire) on healthy nodes
@@ -100,16 +107,32 @@ def resumed(evs: list[dict], fault: dict[str, float]) -> dict[str, float]:
             "recomputed": max(0, fault["last_before"] - started["resume_from_step"])}
 
 
+def final(run: Path) -> bool:
+    return any(e["event"] in ("run.finished", "run.gave_up") for e in events(run))
+
+
 def node_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
     run = submit(workdir, f"crash-{i}", image)
     job = first(events(run), "job.submitted")["job_id"]
     with crashed(run, which=1) as fault:
-        wait(lambda: finished(run, job))
+        wait(lambda: final(run), timeout=900)  # at SlurmdTimeout=300 the job then waits for the dead node
+    wait(lambda: finished(run, job), timeout=600)
     evs = events(run)
+    assert first(evs, "run.finished"), "the run did not finish"
     failed = first(evs, "attempt.failed")
+    ended = first(evs, "attempt.ended", attempt=1)
     started = first(evs, "attempt.started", attempt=2)
-    return {"detection": failed["t"] - fault["crashed"], "relaunch": started["t"] - failed["t"],
-            **resumed(evs, fault)}
+    agent = max(e["t"] for e in evs if e["event"] == "agent.started" and e["attempt"] == 2)
+    ready = [e for e in evs if e["event"] == "agent.ready" and e["attempt"] == 2]
+    step = first(evs, "attempt.first_step", attempt=2)
+    restore = step.get("restore_seconds", 0.0)
+    return {"detection": failed["t"] - fault["crashed"], "stop": ended["t"] - failed["t"],
+            "relaunch": started["t"] - ended["t"], "container": agent - started["t"],
+            "imports": max(e["import_seconds"] for e in ready),
+            "distributed": max(e["distributed_seconds"] for e in ready),
+            "restore": restore, "compile": step["t"] - max(e["t"] for e in ready) - restore,
+            "total": step["t"] - fault["crashed"], "by rkit": float(failed.get("detected_by") == "rkit"),
+            "recomputed": max(0, fault["last_before"] - started["resume_from_step"])}
 
 
 def job_state(job: str) -> str:
@@ -187,7 +210,26 @@ def main() -> None:
     parser.add_argument("--image", required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=sorted(FAULTS), action="append", help="measure only these (repeatable)")
+    parser.add_argument("--timeouts", default=None, help="SLURMD,MESSAGE: the test bed's Slurm timeouts meanwhile")
     args = parser.parse_args()
+    if args.timeouts:
+        with slurm_timeouts(*args.timeouts.split(",")):
+            measure_all(args)
+    else:
+        measure_all(args)
+
+
+@contextlib.contextmanager
+def slurm_timeouts(slurmd: str, message: str) -> Iterator[None]:
+    testbed = str(REPO / "ci" / "slurm-testbed.sh")
+    subprocess.run([testbed, "timeouts", slurmd, message], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([testbed, "timeouts", "20", "5"], check=True)
+
+
+def measure_all(args: argparse.Namespace) -> None:
     image = str(Path(args.image).resolve())
     kinds = args.only or list(FAULTS)
     results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
@@ -199,8 +241,10 @@ def main() -> None:
                 results[kind].append(row)
                 print(f"{kind} {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     for kind, rows in results.items():
-        medians = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(f"{kind} median of {len(rows)}: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
+        spans = {k: (statistics.median(r[k] for r in rows), min(r[k] for r in rows), max(r[k] for r in rows))
+                 for k in rows[0]}
+        print(f"{kind} median [range] of {len(rows)}: " + ", ".join(f"{k} {m:.1f} [{lo:.1f}-{hi:.1f}]"
+                                                                    for k, (m, lo, hi) in spans.items()))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,82 +17,19 @@ import pytest
 from rkit.rundir import RunDir
 from rkit.telemetry.metrics import merged
 
-from ..conftest import REPO, missing_test_bed, require_maxtext, rkit, wait_until
+from ..conftest import REPO, rkit, wait_until
+from .slurm_helpers import (
+    TESTBED,
+    crash_when_at_step,
+    final_loss,
+    job_of,
+    squeue,
+    status,
+    submit,
+    wait_finished,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
-
-RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
-TESTBED = REPO / "ci" / "slurm-testbed.sh"
-STEPS = ["-o", "trainer.steps=40", "-o", "checkpoint.period=10"]
-
-
-@pytest.fixture(scope="session")
-def cluster() -> dict[str, str]:
-    require_maxtext()
-    done = subprocess.run([str(TESTBED), "status"], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        missing_test_bed("the Slurm test bed is not up; start it with `ci/slurm-testbed.sh up` (make test does)"
-                         f"\n{done.stdout}{done.stderr}")
-    seen = subprocess.run([str(TESTBED), "exec", "test", "-x", sys.executable], capture_output=True, check=False)
-    if seen.returncode != 0:  # the batch script would fail at once, and each test wait out its timeout
-        missing_test_bed(f"the test bed's nodes cannot see {sys.executable} (they see /tmp and /root): run the "
-                         "Slurm tests from a checkout under /tmp, as CI does")
-    base = os.environ.get("RKIT_SLURM_BASE", "/opt/rkit-ci/slurm")
-    return {"PATH": f"{base}/bin:{os.environ['PATH']}"}
-
-
-@pytest.fixture(scope="session")
-def slurm_workspace(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("slurm") / "slurm runs"  # under /tmp: visible inside the cluster
-    path.mkdir()
-    return path
-
-
-def submit(cluster, workspace: Path, name: str, image: Path, *extra: str) -> RunDir:
-    done = rkit("run", str(RECIPE), "-o", f"name={name}", "-o", f"runs_dir={workspace}", "-o", f"image={image}",
-                *STEPS, *extra, cwd=workspace, env=cluster, check=0)
-    assert "submitted" in done.stdout and "Slurm job" in done.stdout
-    return RunDir(workspace / name)
-
-
-def job_of(run: RunDir) -> str:
-    return [e for e in run.events() if e["event"] == "job.submitted"][-1]["job_id"]
-
-
-def squeue(cluster, job: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T|%r"], capture_output=True, text=True,
-                          env=dict(os.environ, **cluster), check=False).stdout.strip()
-
-
-def status(cluster, run: RunDir) -> dict:
-    return json.loads(rkit("status", "--json", str(run.path), env=cluster, check=0).stdout)
-
-
-def wait_finished(cluster, run: RunDir, timeout: float = 900) -> dict:
-    """Until the run is in a final state and its job has left the queue. A requeued job waits out Slurm's
-    cred_expire hold (30 s on the test bed): releasing it sooner (StartTime=now) can kill it as
-    "non-startable: Job credential revoked"."""
-    job = job_of(run)
-
-    def done():
-        queue = squeue(cluster, job)
-        s = status(cluster, run)
-        return s if s["state"] in ("finished", "gave up") and not queue else None
-
-    return wait_until(done, timeout, f"run {run.name} to end", every=2)
-
-
-def final_loss(run: RunDir) -> float:
-    view = merged(run, rank=0)
-    assert max(view) == 39
-    return view[39]["loss"]
-
-
-@pytest.fixture(scope="session")
-def clean_run(cluster, slurm_workspace, cpu_image) -> RunDir:
-    run = submit(cluster, slurm_workspace, "clean", cpu_image)
-    wait_finished(cluster, run)
-    return run
 
 
 def test_two_nodes_in_containers_finish(cluster, clean_run: RunDir):
@@ -317,16 +253,6 @@ def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(clus
     ended = [e for e in events if e["event"] == "attempt.ended"]
     assert ended[0]["decision"] == "restart" and ended[0]["tally"]["infra_failures"] == 0
     assert final_loss(run) == final_loss(clean_run)
-
-
-def crash_when_at_step(cluster, run: RunDir, step: int, which: int) -> tuple[str, float]:
-    """Crash node `which` of attempt 1's step once rank 0 is past `step`; returns the node and the time."""
-    wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= step, 600,
-               f"step {step}")
-    victim = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["nodes"][which]
-    crashed_at = time.time()
-    subprocess.run([str(TESTBED), "crash", victim], check=True, capture_output=True)
-    return victim, crashed_at
 
 
 def test_node_crash_without_a_spare_requeues_the_job_without_that_node(cluster, slurm_workspace, cpu_image,

@@ -1,0 +1,117 @@
+"""rkit's own node liveness on the real Slurm test bed at Slurm's default timeouts (SlurmdTimeout=300,
+MessageTimeout=10), where Slurm itself would see a crashed node only after five minutes: the crash is found by
+rkit (heartbeats, then the probe step), the run resumes on the spare and ends with the clean run's loss; a node
+that is slow but alive (its rank and its heartbeat stopped for longer than the silence allowed) is probed, answers,
+and the attempt goes on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from rkit.rundir import RunDir
+from rkit.telemetry.metrics import merged
+
+from ..conftest import wait_until
+from .slurm_helpers import (
+    FAST_TIMEOUTS,
+    SLURM_TIMEOUTS,
+    TESTBED,
+    crash_when_at_step,
+    final_loss,
+    job_of,
+    squeue,
+    status,
+    submit,
+    wait_finished,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+
+@pytest.fixture(scope="module")
+def real_timeouts(cluster):
+    from .slurm_helpers import set_timeouts
+
+    set_timeouts(*SLURM_TIMEOUTS)
+    yield SLURM_TIMEOUTS
+    set_timeouts(*FAST_TIMEOUTS)
+
+
+def events_named(run: RunDir, name: str) -> list[dict]:
+    return [e for e in run.events() if e["event"] == name] if run.events_file.exists() else []
+
+
+def final_event(run: RunDir) -> dict | None:
+    return next((e for e in reversed(events_named(run, "run.finished") + events_named(run, "run.gave_up"))), None)
+
+
+def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on_the_spare(
+        cluster, real_timeouts, slurm_workspace, cpu_image, clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "crash-300", cpu_image)
+    victim, crashed_at = crash_when_at_step(cluster, run, 25, which=1)  # rank 1's node; the batch host lives
+    try:
+        # The run ends long before Slurm would mark the node down; its job then waits in COMPLETING for the dead
+        # node, until the node is back.
+        end = wait_until(lambda: final_event(run), 600, "the run's final event")
+    finally:
+        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    wait_until(lambda: squeue(cluster, job_of(run)) == "", 300, "the job to leave the queue", every=2)
+    assert end["event"] == "run.finished", end
+    dead = events_named(run, "node.dead")
+    assert [d["node"] for d in dead] == [victim] and dead[0]["detected_by"] == "rkit" and dead[0]["heard_from"]
+    failed = events_named(run, "attempt.failed")[0]
+    assert failed["cls"] == "node_fail" and failed["lost_nodes"] == [victim] and failed["detected_by"] == "rkit"
+    assert failed["t"] - crashed_at < real_timeouts[0]  # found by rkit, long before Slurm's SlurmdTimeout
+    second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
+    assert victim not in second["launch"]["nodes"] and second["resume_from_step"] >= 10
+    s = status(cluster, run)
+    assert [a["cause"] for a in s["attempts"]] == ["node_fail", "completed"]
+    first_step = next(e for e in run.events() if e["event"] == "attempt.first_step" and e["attempt"] == 2)
+    print(f"SlurmdTimeout={real_timeouts[0]}: node crash -> rkit's detection {failed['t'] - crashed_at:.1f} s, "
+          f"-> first resumed step {first_step['t'] - crashed_at:.1f} s")
+    assert final_loss(run) == final_loss(clean_run)
+
+
+def node_processes(run: RunDir, node: str) -> list[psutil.Process]:
+    """The telemetry process of `node` (it sends the node's heartbeats) and its parent, the rank's agent."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "rkit.telemetry.node" in argv and str(run.path.resolve()) in argv and node in argv:
+            found = [proc, proc.parent()]
+    return found
+
+
+def test_a_slow_node_is_probed_and_not_declared_dead(cluster, real_timeouts, slurm_workspace, cpu_image,
+                                                      clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "slow-300", cpu_image)
+    wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= 15, 600, "step 15")
+    node = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["nodes"][1]
+    frozen = wait_until(lambda: node_processes(run, node), 60, f"the telemetry process on {node}")
+    for proc in frozen:  # the node's rank and its heartbeat stop: a node that does not answer for a while
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        alive = wait_until(lambda: events_named(run, "node.alive"), 120, "the probe's answer")
+    finally:
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
+    s = wait_finished(cluster, run)
+    suspected = events_named(run, "node.suspected")
+    assert suspected[0]["node"] == node and suspected[0]["silent_seconds"] >= 3
+    assert alive[0]["node"] == node and alive[0]["how"] == "it answered the probe step"
+    assert not events_named(run, "node.dead") and not events_named(run, "attempt.failed")
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["completed"]
+    assert final_loss(run) == final_loss(clean_run)
+
+
+def test_the_ranks_get_jaxs_heartbeat_timeout_and_the_heartbeat_token_is_redacted(cluster, clean_run: RunDir):
+    for rank in (0, 1):
+        env = json.loads((clean_run.attempt_dir(1) / "env" / f"rank-{rank}.json").read_text())["environment"]
+        assert env["RKIT_JAX_HEARTBEAT_SECONDS"] == "16"
+        assert env["RKIT_LIVENESS_ADDRESS"].rpartition(":")[2].isdigit()
+        assert env["RKIT_LIVENESS_TOKEN"] == "<redacted>"
