@@ -60,6 +60,8 @@ class StatusFold(goodput.Fold):
             elif kind == EV.ATTEMPT_ENDED:
                 row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
                            committed_step=e.get("committed_step"))
+            elif kind == EV.ATTEMPT_FAILED and "failed" not in row:
+                row.update(failed=e["t"], detected_by=e.get("detected_by"), detect_seconds=e.get("detect_seconds"))
         if kind == EV.ATTEMPT_FIRST_STEP:
             self.stepped.add(n)
         elif kind == EV.JOB_SUBMITTED:
@@ -77,8 +79,36 @@ class StatusFold(goodput.Fold):
                                                         "threshold")})
 
     def attempts(self) -> list[dict[str, Any]]:
-        """One row per attempt, by number (copies: a caller may add to them)."""
-        return [dict(self.rows[n]) for n in sorted(self.rows)]
+        """One row per attempt, by number (copies: a caller may add to them); a resumed attempt's row says how its
+        recovery from the previous one's failure went (`recovery`)."""
+        out = []
+        for n in sorted(self.rows):
+            row = dict(self.rows[n])
+            if (parts := self.recovery(n)) is not None:
+                row["recovery"] = parts
+            out.append(row)
+        return out
+
+    def recovery(self, n: int) -> dict[str, float | None] | None:
+        """Attempt n's recovery from attempt n-1's failure, in seconds: detect (the dead node's last heartbeat ->
+        the failure), stop (-> the attempt ended), launch (-> the new ranks' agents started: the new step,
+        containers or standbys), imports, distributed set-up, restore, compile (-> the first step); total."""
+        prev, a = self.rows.get(n - 1), self.goodput.attempts.get(n)
+        if not prev or prev.get("ended") is None or prev.get("cause") == "completed" or a is None \
+                or a.first_step is None:
+            return None
+        agents = self.goodput.agents.get(n, {})
+        began = prev.get("failed", prev["ended"]) - (prev.get("detect_seconds") or 0.0)
+        started, ready = agents.get("started"), agents.get("ready")
+        distributed = agents.get("distributed", 0.0) if ready is not None else None
+        restore = a.restore[1] - a.restore[0] if a.restore else 0.0
+        return {"detect": prev.get("detect_seconds"),
+                "stop": prev["ended"] - prev["failed"] if "failed" in prev else None,
+                "launch": None if started is None else started - prev["ended"],
+                "imports": None if None in (started, ready) else ready - started - distributed,
+                "distributed": distributed, "restore": restore if ready is not None else None,
+                "compile": None if ready is None else a.first_step - ready - restore,
+                "total": a.first_step - began}
 
 
 def _fold(events: list[dict] | StatusFold) -> StatusFold:
@@ -268,8 +298,13 @@ def render_status(s: dict[str, Any]) -> str:
         resume = a.get("resume_from_step")
         start = "from scratch" if resume is None else f"resumed from step {resume}"
         end = a.get("cause", "running")
-        detail = f" ({a['detail']})" if a.get("detail") else ""
+        found = "" if not a.get("detected_by") else f"; found by {a['detected_by']}" + (
+            f" {a['detect_seconds']:.1f} s after the node's last heartbeat" if a.get("detect_seconds") else "")
+        detail = f" ({a['detail']}{found})" if a.get("detail") else ""
         lines.append(f"  #{a['attempt']}  {start}: {end}{detail}")
+        if a.get("recovery"):
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in a["recovery"].items() if k != "total" and v is not None)
+            lines.append(f"       recovery {a['recovery']['total']:.1f} s: {parts}")
     return "\n".join(lines)
 
 

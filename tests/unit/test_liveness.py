@@ -229,3 +229,33 @@ def test_srun_failing_to_start_the_step_names_what_slurm_said_and_the_nodes(tmp_
     again = StepHandle(request=request, proc=_done("false"))
     backend.poll(again)
     assert (again.launch_failed is None) == (case == "before agents")
+
+
+def test_status_and_goodput_show_the_detection_and_each_part_of_the_recovery():
+    from rkit.status import StatusFold
+    from rkit.telemetry import goodput
+
+    t0 = 1000.0
+    events = [
+        {"event": "run.submitted", "t": t0},
+        {"event": "attempt.started", "attempt": 1, "t": t0 + 1, "resume_from_step": None},
+        {"event": "attempt.first_step", "attempt": 1, "t": t0 + 11, "step": 0},
+        {"event": "attempt.failed", "attempt": 1, "t": t0 + 50, "cls": "node_fail", "detected_by": "rkit",
+         "detect_seconds": 4.5},
+        {"event": "attempt.ended", "attempt": 1, "t": t0 + 51, "cause": "node_fail", "detail": "node failure on c2"},
+        {"event": "attempt.started", "attempt": 2, "t": t0 + 52, "resume_from_step": 20},
+        {"event": "agent.started", "attempt": 2, "rank": 0, "t": t0 + 54},
+        {"event": "agent.ready", "attempt": 2, "rank": 0, "t": t0 + 60, "import_seconds": 5.5,
+         "distributed_seconds": 0.5},
+        {"event": "attempt.first_step", "attempt": 2, "t": t0 + 66, "step": 21, "restore_started": t0 + 61,
+         "restore_seconds": 1.0},
+        {"event": "attempt.ended", "attempt": 2, "t": t0 + 80, "cause": "completed"},
+        {"event": "run.finished", "t": t0 + 81},
+    ]
+    rows = StatusFold.of(events).attempts()
+    assert "recovery" not in rows[0] and rows[0]["detected_by"] == "rkit"
+    assert rows[1]["recovery"] == {"detect": 4.5, "stop": 1.0, "launch": 3.0, "imports": 5.5, "distributed": 0.5,
+                                   "restore": 1.0, "compile": 5.0, "total": 20.5}
+    lost = goodput.compute(events)
+    assert lost.seconds["detect"] == pytest.approx(4.5)
+    assert sum(lost.seconds.values()) == pytest.approx(lost.wall_seconds)

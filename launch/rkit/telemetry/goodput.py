@@ -26,6 +26,8 @@ Every second of the wall time goes to exactly one category, so the categories su
   * recompute: the rest of the time of steps that were trained before (a restart went back to a checkpoint).
   * productive: the rest. Window time not covered by step times is "other".
 - hang: from each `attempt.hang` event, `seconds_silent` back from the event.
+- detect: a node failure found by rkit's liveness: from the dead node's last heartbeat to `attempt.failed`
+  (its `detect_seconds`), the time the survivors waited for a peer that was gone.
 - teardown: a failed attempt's last step (or its failure, when it never stepped) -> `attempt.ended`.
 - shutdown: a completed attempt's last step -> `attempt.ended` (the final save and the processes' exit): the cost
   of ending well, not a failure's.
@@ -57,13 +59,14 @@ CATEGORIES = {
     "checkpoint": "checkpoint saves",
     "recompute": "recomputed steps",
     "hang": "hang waits",
+    "detect": "node failure detection",
     "queue": "queue wait",
     "requeue": "requeue wait",
     "teardown": "failure and teardown",
     "shutdown": "final save and shutdown",
     "other": "other",
 }
-PRIORITY = ("hang", "teardown", "shutdown", "startup", "import", "distributed", "restore", "compile", "steps",
+PRIORITY = ("hang", "detect", "teardown", "shutdown", "startup", "import", "distributed", "restore", "compile", "steps",
             "requeue", "queue")
 SESSION_START = (EV.RUN_SUBMITTED, EV.RUN_RESUMED)
 SESSION_END = (EV.RUN_FINISHED, EV.RUN_GAVE_UP, EV.RUN_INTERRUPTED)
@@ -111,6 +114,7 @@ class _Attempt:
     agents_ready: float | None = None  # the slowest rank's agent.ready
     distributed_seconds: float = 0.0  # the slowest rank's
     restore: tuple[float, float] | None = None  # Orbax's restore, the first rank's start to the last's end
+    detect_seconds: float = 0.0  # a node failure: from the dead node's last heartbeat to attempt.failed
 
 
 def run_goodput(run: RunDir, now: float | None = None, *, events: list[dict] | None = None,
@@ -252,6 +256,8 @@ def compute(events: Iterable[dict] | EventFold, lines: list[dict[str, Any]] | No
             if a.ended is not None:
                 intervals.append((last, end, "shutdown" if a.cause == "completed" else "teardown"))
         intervals.extend((max(t - silent, a.started), t, "hang") for t, silent in a.hangs)
+        if a.failed is not None and a.detect_seconds:
+            intervals.append((max(a.failed - a.detect_seconds, a.started), a.failed, "detect"))
     intervals.extend(fold.queue_intervals())
     covered, other, wall = _paint(intervals, sessions)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -348,6 +354,8 @@ class EventFold(Fold):
                         a.restore = (float(started), float(started) + float(seconds))
                 elif kind == EV.ATTEMPT_FAILED and a.failed is None:
                     a.failed = t
+                    if isinstance(detect := e.get("detect_seconds"), (int, float)) and detect > 0:
+                        a.detect_seconds = float(detect)
                 elif kind == EV.ATTEMPT_ENDED:
                     a.ended, a.cause = t, e.get("cause")
                 elif kind == EV.ATTEMPT_HANG:
