@@ -128,6 +128,7 @@ class NodeLiveness:
     ranks_of: dict[str, list[int]] = field(default_factory=dict)
     probes: dict[str, Probe] = field(default_factory=dict)
     cleared: dict[str, float] = field(default_factory=dict)  # node -> when it was last found alive
+    dead: set[str] = field(default_factory=set)  # confirmed in this attempt: never probed again
 
     def environment(self) -> dict[str, str]:
         """What the ranks need: where to send heartbeats, and JAX's own heartbeat timeout."""
@@ -138,7 +139,7 @@ class NodeLiveness:
         self.end()
         now = self.clock()
         self.listener.drain()  # the previous attempt's last beats
-        self.attempt, self.heard, self.cleared = attempt, set(), {}
+        self.attempt, self.heard, self.cleared, self.dead = attempt, set(), {}, set()
         # Before a node's first heartbeat its start-up is allowed STARTUP_SILENCE (less `silence`, which the
         # policy adds).
         self.since = {n: now + max(0.0, STARTUP_SILENCE - self.silence) for n in nodes}
@@ -170,13 +171,15 @@ class NodeLiveness:
                 notes.append({"event": "node.alive", "node": node, "how": "it answered the probe step",
                               "after_seconds": round(now - probe.started, 3)})
             else:
+                self.dead.add(node)
                 silent = round(now - self.since[node], 3)
                 dead[node] = (f"no heartbeat for {silent:.1f} s and {said}" if node in self.heard else
                               f"no heartbeat since the attempt started and {said}")
                 notes.append({"event": "node.dead", "node": node, "silent_seconds": silent, "probe": said,
                               "probe_seconds": round(now - probe.started, 3), "detected_by": "rkit",
                               "heard_from": node in self.heard})
-        watched = {n: max(t, self.cleared.get(n, t)) for n, t in self.since.items() if n not in self.probes}
+        watched = {n: max(t, self.cleared.get(n, t)) for n, t in self.since.items()
+                   if n not in self.probes and n not in self.dead}
         for suspect in suspects(watched, self.ranks_of, progress, now, self.silence):
             try:
                 proc = self.start_probe(suspect.node)

@@ -147,7 +147,7 @@ SRUN_LAUNCH_FAILED = re.compile(r"srun: error: (?:Unable to create step for job 
                                 r"failed on node (\S+?):? .+|.*Requested node configuration is not available.*)")
 # How long srun may take to end after its step was cancelled while a node of the step is dead: srun waits for that
 # node's tasks until Slurm declares the node down (SlurmdTimeout, 300 s by default); its other tasks are gone.
-LOST_NODE_WAIT = 5.0
+LOST_NODE_WAIT = 2.0
 SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")
 
 
