@@ -419,10 +419,10 @@ def test_disk_full_ends_the_attempt_at_once_and_the_run_stops(tmp_path):
 
 def test_a_rank_failing_on_a_full_file_system_is_disk_full_even_with_a_silent_log(tmp_path, monkeypatch):
     # The whole run directory on the full file system: the rank's log could not take the error either.
-    import rkit.supervisor
+    import rkit.attemptwatch
 
     sup, _ = make(tmp_path, Script(exit=(1, 6, 1)))
-    monkeypatch.setattr(rkit.supervisor, "filesystem", lambda path: ("/full", 4096))
+    monkeypatch.setattr(rkit.attemptwatch, "filesystem", lambda path: ("/full", 4096))
     outcome = attempt(sup)
     assert outcome.cause is Cause.DISK_FULL
     assert outcome.detail.startswith("disk full: a rank failed or stopped with no room left on the run directory")
@@ -430,10 +430,10 @@ def test_a_rank_failing_on_a_full_file_system_is_disk_full_even_with_a_silent_lo
 
 
 def test_a_rank_failing_with_room_on_disk_is_not_disk_full(tmp_path, monkeypatch):
-    import rkit.supervisor
+    import rkit.attemptwatch
 
     sup, _ = make(tmp_path, Script(exit=(1, 6, 1)))
-    monkeypatch.setattr(rkit.supervisor, "filesystem", lambda path: ("/roomy", 10 << 20))
+    monkeypatch.setattr(rkit.attemptwatch, "filesystem", lambda path: ("/roomy", 10 << 20))
     assert attempt(sup).cause is Cause.TASK_EXIT
 
 

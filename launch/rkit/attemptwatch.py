@@ -1,0 +1,109 @@
+"""What one attempt's files say while it runs, for the supervisor's loop (supervisor.py): each rank's progress from
+its metrics file, the hang watch, stragglers, the first step, and the diagnoses read from the ranks' logs (disk
+full, a checkpoint that could not be restored, a coordinator port in use)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import preflight
+from .policy import Progress
+from .ranklogs import LogScan, last_error_lines
+from .rundir import EV, filesystem
+from .telemetry.metrics import MetricsTail
+from .telemetry.stragglers import StragglerWatch
+from .trainers import maxtext
+from .watchdog import HangPolicy, HangWatch
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
+
+# Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
+FULL_BYTES = 1 << 20
+
+
+@dataclass
+class AttemptWatch:
+    """What one attempt's metrics files say: each rank's progress, the hang watch, stragglers, the first step."""
+
+    sup: Supervisor
+    attempt: int
+    started: float  # wall clock, for attempt.first_step
+    tails: dict[int, MetricsTail]
+    progress: Progress
+    resumed_from: int | None = None
+    first_step_seen: bool = False
+
+    def __post_init__(self) -> None:
+        sup = self.sup
+        self.hang = HangWatch(HangPolicy.from_config(sup.config), ranks=list(self.tails), started=sup.clock(),
+                              step_times=sup._step_times)
+        factor = float(sup.config.observability.straggler_factor)
+        self.stragglers = StragglerWatch(sup.run, self.attempt, factor, sup.clock)
+        # Its own clock: how often the logs are read is about I/O, not policy (a hang forces a read anyway).
+        self.logs = LogScan([sup.run.rank_log(self.attempt, r) for r in self.tails], time.monotonic)
+        # Each poll stats every rank's metrics file; past 64 ranks the files are looked at every few polls (512
+        # ranks: every 0.8 s), exits still every poll. Metrics only feed the hang watch (timeouts of minutes),
+        # stragglers and progress.
+        self.scan_every, self.next_scan = sup.poll_seconds * max(1, len(self.tails) // 64), 0.0
+
+    def disk_full(self, force: bool) -> str | None:
+        """A rank's log line saying a write failed for space, with the checkpoints' file system; or, when a rank
+        failed or hung, that file system being full (its log may live there too and then says nothing)."""
+        line = self.logs.disk_full(force)
+        if line is None and not force:
+            return None
+        mount, free = filesystem(self.sup.run.orbax_dir)
+        if line is None:
+            if free is None or free > FULL_BYTES:
+                return None
+            line = "a rank failed or stopped with no room left on the run directory's file system"
+        return f"{line} (file system {mount}: {'?' if free is None else free} bytes free)"
+
+    def restore_failed(self, force: bool) -> str | None:
+        """Before a resumed attempt's first step: the failing rank's last error lines."""
+        if self.first_step_seen or self.resumed_from is None:
+            return None
+        hit = self.logs.restore_failed(force)
+        if hit is None:
+            return None
+        line, log = hit
+        lines = last_error_lines(log) or [line]
+        return f"{log.name}: " + " | ".join(lines)
+
+    def port_in_use(self, force: bool) -> str | None:
+        """Before the first step: a rank's log saying jax.distributed's coordinator could not listen."""
+        hit = None if self.first_step_seen else self.logs.port_in_use(force)
+        return None if hit is None else f"{hit[1].name}: {hit[0]}"
+
+    def read(self) -> None:
+        sup, progress = self.sup, self.progress
+        now = time.monotonic()
+        scan = now >= self.next_scan
+        if scan:
+            self.next_scan = now + self.scan_every
+        for rank, tail in self.tails.items() if scan else ():
+            if not preflight.grew(tail):  # one stat, not open, read and close
+                continue
+            for m in tail.poll():
+                self.hang.progress(rank, m.step, m.step_time, sup.clock())
+                self.stragglers.add(m)
+                progress.step = m.step if rank == 0 or progress.step is None else max(progress.step, m.step)
+                if rank == 0 and m.tokens_per_sec_per_device:
+                    progress.tokens_per_sec = m.tokens_per_sec_per_device * sup.processes
+                if not self.first_step_seen:
+                    self.first_step_seen = True
+                    restored = self.logs.restore_span(force=True)  # goodput's restore, apart from compilation
+                    sup.run.emit(EV.ATTEMPT_FIRST_STEP, attempt=self.attempt, step=m.step, rank=rank,
+                                 seconds_since_start=round(time.time() - self.started, 3),
+                                 **({"restore_started": round(restored[0], 3),
+                                     "restore_seconds": round(restored[1] - restored[0], 3)} if restored else {}))
+        self.stragglers.check()
+        progress.committed = maxtext.latest_committed_step(sup.run)
+        progress.message = f"attempt {self.attempt}"
+        sup.on_progress(progress)
+
+    def last_steps(self) -> dict[int, int | None]:
+        return {rank: tail.last.step if tail.last else None for rank, tail in self.tails.items()}
