@@ -73,6 +73,11 @@ class AttemptWatch:
         lines = last_error_lines(log) or [line]
         return f"{log.name}: " + " | ".join(lines)
 
+    def jax_peer_lost(self, force: bool) -> str | None:
+        """A rank's log line saying JAX's coordination service declared a process dead."""
+        hit = self.logs.scan(force).get("jax_peer_lost")
+        return None if hit is None else f"{hit[1].name}: {hit[0]}"
+
     def port_in_use(self, force: bool) -> str | None:
         """Before the first step: a rank's log saying jax.distributed's coordinator could not listen."""
         hit = None if self.first_step_seen else self.logs.port_in_use(force)

@@ -240,6 +240,7 @@ class Observation:
     failed_nodes: tuple[str, ...] = ()  # nodes the launcher reported dead with the attempt
     dead_nodes: Mapping[str, str] = field(default_factory=dict)  # nodes rkit's liveness confirmed dead: why
     launch_failed: str | None = None  # the launcher could not start the ranks: what it said
+    jax_peer_lost: str | None = None  # a rank's log: JAX's coordination service declared a process dead
     down_nodes: tuple[str, ...] = ()  # the attempt's nodes the scheduler reports dead (asked on a stop signal)
     interrupted: bool = False  # Ctrl-C, or SIGTERM to the supervisor
     preempt: str | None = None  # the scheduler's time-limit or preemption signal, by name

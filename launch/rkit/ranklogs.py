@@ -21,7 +21,10 @@ RESTORE_FAILED = re.compile(rb"DATA_LOSS|Error reading shard|NOT_FOUND: [^\n]*(?
                             rb"|[Ff]ailed to restore|checkpoint already exists")
 # JAX's coordination service (process 0) could not listen: gRPC's bind error, then JAX's own.
 PORT_IN_USE = re.compile(rb"Failed to add port to server|Failed to start RPC server")
-PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED, "port_in_use": PORT_IN_USE}
+# JAX's coordination service declared a process dead (its heartbeat_timeout_seconds): a peer's node may be gone.
+JAX_PEER_LOST = re.compile(rb"stopped sending heartbeats|heartbeat timeout\. This indicates that the remote task")
+PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED, "port_in_use": PORT_IN_USE,
+            "jax_peer_lost": JAX_PEER_LOST}
 # Orbax's record of a finished restore (its standard logger, through absl): the CheckpointManager's start time
 # (the rank's wall clock) and duration, e.g. `{'step': 240, 'event_type': 'restore', ...,
 # 'checkpoint_manager_start_time': 1796146611.46, 'checkpoint_manager_duration_secs': 0.12}`.

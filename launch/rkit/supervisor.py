@@ -300,6 +300,7 @@ class Supervisor:
         return Observation(
             processes=self.processes, exits=tuple(exits.values()), last_steps=watch.last_steps(), step=step,
             failed_nodes=tuple(handle.failed_nodes), dead_nodes=dead, launch_failed=handle.launch_failed,
+            jax_peer_lost=watch.jax_peer_lost(force=bool(dead)),
             down_nodes=tuple(self.backend.down_nodes(handle)) if self._interrupted else (),
             interrupted=self._interrupted, preempt=self._preempt,
             inject_sigterm=(sigterm_at.spec if sigterm_at is not None and step is not None
@@ -343,14 +344,15 @@ class Supervisor:
         return None
 
     def _detection(self, ending: Ending, observed: Observation) -> dict[str, object]:
-        """Who saw a node failure first (rkit's heartbeats and probe, or Slurm through srun), and how long after the
-        node's last heartbeat, where it sent any."""
+        """Who saw a node failure first (rkit's heartbeats and probe, or Slurm through srun), how long after the
+        node's last heartbeat, where it sent any, and JAX's word where a rank's log had it by then."""
         if ending.cause is not Cause.NODE_FAIL:
             return {}
         liveness = self.backend.liveness
         heard = [t for n in ending.nodes if liveness is not None and (t := liveness.last_heard(n)) is not None]
         after = {"detect_seconds": round(self.clock() - min(heard), 3)} if heard else {}
-        return {"detected_by": "rkit" if observed.dead_nodes else "slurm", **after}
+        jax = {"jax_saw_it": observed.jax_peer_lost} if observed.jax_peer_lost else {}
+        return {"detected_by": "rkit" if observed.dead_nodes else "slurm", **after, **jax}
 
     def _end_hung_attempt(self, handle: Handle, attempt: int, ending: Ending, observed: Observation,
                           nodes: list[str]) -> None:

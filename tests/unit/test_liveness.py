@@ -104,6 +104,10 @@ class BeatingBackend(FakeBackend):
         if fault and handle.attempt == fault[0] and handle.step.get(0) == fault[1] and "n2" not in self.quiet:
             self.quiet["n2"] = fault[2]
             handle.silent.update(handle.step)
+            log = self.run.rank_log(handle.attempt, 0)  # what JAX's coordination service says, later on
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text("E1202 coordination_service.cc:1136] The following tasks are unhealthy (stopped "
+                           "sending heartbeats):\n/job:jax_worker/replica:0/task:1\n")
         for node in self.nodes(handle):
             if self.quiet.get(node, 0) > 0:
                 continue
@@ -137,6 +141,7 @@ def test_a_silent_node_is_probed_then_excluded_if_dead_and_left_alone_if_alive(t
     assert dead["node"] == "n2" and dead["detected_by"] == "rkit" and dead["heard_from"]
     failed = events(sup.run, EV.ATTEMPT_FAILED)[0]
     assert failed["cls"] == "node_fail" and failed["detected_by"] == "rkit" and failed["detect_seconds"] > 3
+    assert failed["jax_saw_it"].startswith("rank-0.log: E1202 coordination_service.cc:1136] The following tasks")
     assert backend.exclude == ["n2"] and backend.stops == [0]
     second = attempt(sup)  # on the spare
     assert second.cause is Cause.COMPLETED and backend.nodes(None) == ["n1", "n3"]
