@@ -14,8 +14,9 @@ line (the supervisor is gone, or dismissed its standbys) ends it quietly.
 Before waiting it writes one byte to RKIT_STANDBY_READY_FD: the backend hands over only to a standby that said it
 is ready (one that died or hung while importing is replaced, never counted as a training failure).
 
-On Slurm (RKIT_STANDBY_ADDRESS set) the standbys are the tasks of one job step beside the live attempt, and an
-attempt's processes cannot be handed a pipe: each task connects to the supervisor's address once its imports are
+On Slurm (RKIT_STANDBY_ADDRESS set) the standbys are the tasks of a job step on one node beside the live attempt
+(the order names each task's rank and its node's place in the attempt), and an attempt's processes cannot be handed
+a pipe: each task connects to the supervisor's address once its imports are
 done, says `<token> <task> <pid> <seconds>` (that line is its ready), and waits on the connection for the same
 JSON line, with the attempt's directory instead of a log (the task's log is its rank's log there). EOF first (the
 supervisor is gone or dismissed the step) ends it quietly.
@@ -101,7 +102,9 @@ def main_on_slurm() -> int:
     order = json.loads(line)
     from .rundir import RunDir
 
-    return take_order(order, Path(order["attempt_dir"]) / RunDir.rank_log_name(task), seconds)
+    # A standby step of one node gives its tasks ranks of their own (RKIT_RANK in the order); else the task's.
+    rank = order["env"].get("RKIT_RANK") or str(task)
+    return take_order(order, Path(order["attempt_dir"]) / RunDir.rank_log_name(int(rank)), seconds)
 
 
 def main() -> int:

@@ -227,12 +227,12 @@ def test_srun_failing_to_start_the_step_names_what_slurm_said_and_the_nodes(tmp_
     request = StepRequest(attempt=1, argv=["srun"], env={"RKIT_RUN_DIR": str(run.path), "RKIT_NPROCS": "2"},
                           nodes=["c1", "c3"], log=log, cwd=tmp_path, processes=2)
     backend = SlurmStepBackend(nodes_per_step=2, tasks_per_node=1)
-    handle = StepHandle(request=request, proc=_done("false"))
+    handle = StepHandle.cold(request, _done("false"))
     backend.poll(handle)
     assert handle.launch_failed == said and handle.failed_nodes == nodes
     # Once a rank's agent started, a task failure is the rank's own (its exit code), not the launcher's.
     run.emit(EV.AGENT_STARTED, attempt=1, rank=0, pid=1, warm=False)
-    again = StepHandle(request=request, proc=_done("false"))
+    again = StepHandle.cold(request, _done("false"))
     backend.poll(again)
     assert (again.launch_failed is None) == (case == "before agents")
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rkit.backends.slurm import SRUN_TASK_EXIT, _ranks, render_batch, sbatch_options, step_port
+from rkit.backends.slurm import render_batch, sbatch_options, step_port
+from rkit.backends.slurm_steps import SRUN_TASK_EXIT, _ranks
 from rkit.errors import RecipeError
 from rkit.recipe import load_recipe, parse_recipe
 from rkit.rundir import RunDir

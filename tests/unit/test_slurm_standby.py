@@ -1,5 +1,6 @@
-"""The Slurm standby step's protocol (backends/slurm_standby.py) against a stand-in srun: a real process whose
-"tasks" connect back with the token as rkit.standby's do. The real step on the test bed: test_slurm.py."""
+"""The Slurm standby steps' protocol (backends/slurm_standby.py: one step per healthy node, the spares too) against
+a stand-in srun: a real process whose "tasks" connect back with the token as rkit.standby's do. The real steps on
+the test bed: test_slurm.py and test_slurm_liveness.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from rkit.backends.slurm import StepRequest
 from rkit.backends.slurm_standby import MAX_DEATHS, SlurmStandbyPool, shape, standby_argv
 from rkit.rundir import RunDir
 
-# Two tasks connect with the token (FAKE=die: the step dies at once; FAKE=one: only task 0 connects), wait for
-# the order and write it to order-<task>.json beside their logs.
+# Each task connects with the token (FAKE=die: the step dies at once; FAKE=one: on c2 one task never does), waits
+# for the order and writes it to order-<task>.json beside its step's logs.
 FAKE_SRUN = """#!{python}
 import json, os, socket, sys, threading
 if os.environ.get("FAKE") == "die":
@@ -28,7 +29,10 @@ def task(t):
         line = conn.makefile("rb").readline()
     if line:
         open(os.path.join(out, f"order-{{t}}.json"), "wb").write(line)
-tasks = [threading.Thread(target=task, args=(t,)) for t in range(1 if os.environ.get("FAKE") == "one" else 2)]
+node = next(a for a in sys.argv if a.startswith("--nodelist="))[len("--nodelist="):]
+ntasks = int(next(a for a in sys.argv if a.startswith("--ntasks="))[len("--ntasks="):])
+tasks = [threading.Thread(target=task, args=(t,))
+         for t in range(ntasks - 1 if os.environ.get("FAKE") == "one" and node == "c2" else ntasks)]
 [t.start() for t in tasks]
 [t.join() for t in tasks]
 """
@@ -40,12 +44,14 @@ def request(tmp_path: Path, attempt: int, nodes=("c1", "c2"), fake: str = "", **
         srun.write_text(FAKE_SRUN.format(python=sys.executable))
         srun.chmod(0o755)
     attempt_dir = RunDir(tmp_path).attempt_dir(attempt)
-    argv = [str(srun), "--kill-on-bad-exit=1", f"--nodelist={','.join(nodes)}",
+    argv = [str(srun), "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={2 * len(nodes)}",
+            "--ntasks-per-node=2", f"--nodelist={','.join(nodes)}",
             f"--output={attempt_dir / 'rank-%t.log'}", f"--job-name=attempt-{attempt}", "/opt/venv/bin/python",
             "-m", "rkit.agent", "steps=40", f"run_name=a{attempt}"]
+    env = {"RKIT_RUN_DIR": str(tmp_path), "RKIT_ATTEMPT": str(attempt), "FAKE": fake,
+           "RKIT_COORDINATOR": f"c1:{2000 + attempt}", "HF_HOME": "/h", **env}
     return StepRequest(attempt=attempt, argv=argv, nodes=list(nodes), log=attempt_dir / "srun.log", cwd=tmp_path,
-                       processes=2, env={"RKIT_RUN_DIR": str(tmp_path), "RKIT_ATTEMPT": str(attempt), "FAKE": fake,
-                                         "RKIT_COORDINATOR": f"c1:{2000 + attempt}", "HF_HOME": "/h", **env})
+                       processes=2 * len(nodes), env=env)
 
 
 def pool_until(pool: SlurmStandbyPool, what: str, timeout: float = 30) -> list[dict]:
@@ -67,76 +73,91 @@ def cancelled(calls: list[str]):
     return cancel
 
 
-def test_the_standby_argv_overlaps_the_attempt_and_runs_the_standby_instead_of_the_agent(tmp_path: Path):
+def make_pool(calls: list[str], healthy: list[str]) -> SlurmStandbyPool:
+    return SlurmStandbyPool(cancelled(calls), "127.0.0.1", lambda: list(healthy), tasks_per_node=2)
+
+
+def orders(tmp_path: Path, k: int) -> dict[int, dict]:
+    out = tmp_path / "standby" / f"step-{k}"
+    return {t: json.loads((out / f"order-{t}.json").read_text()) for t in (0, 1)}
+
+
+def test_a_standby_step_is_the_attempt_on_one_node_and_its_shape_leaves_placement_out(tmp_path: Path):
     req = request(tmp_path, 1)
-    argv = standby_argv(req.argv, tmp_path / "standby" / "step-3", "standby-3")
+    argv = standby_argv(req.argv, tmp_path / "standby" / "step-3", "standby-3", "c3", 2)
     assert argv[1] == "--overlap" and argv[-3:] == ["/opt/venv/bin/python", "-m", "rkit.standby"]
     assert f"--output={tmp_path / 'standby' / 'step-3' / 'rank-%t.log'}" in argv and "--job-name=standby-3" in argv
+    assert {"--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--nodelist=c3"} <= set(argv)
     assert "steps=40" not in argv and "--kill-on-bad-exit=1" in argv
-    # What changes with every attempt leaves the shape alone; nodes and the rest of the environment do not.
-    assert shape(req.argv, req.env, req.nodes) == shape(request(tmp_path, 2).argv, request(tmp_path, 2).env,
-                                                        req.nodes)
-    other = request(tmp_path, 2, nodes=("c1", "c3"))
-    assert shape(req.argv, req.env, req.nodes) != shape(other.argv, other.env, other.nodes)
+    # What changes with every attempt, and where it runs, leave the shape alone; the rest of the environment not.
+    assert shape(req.argv, req.env) == shape(request(tmp_path, 2, nodes=("c1", "c3")).argv,
+                                             request(tmp_path, 2).env)
     changed = request(tmp_path, 2, HF_HOME="/elsewhere")
-    assert shape(req.argv, req.env, req.nodes) != shape(changed.argv, changed.env, changed.nodes)
+    assert shape(req.argv, req.env) != shape(changed.argv, changed.env)
 
 
-def test_a_ready_standby_step_becomes_the_next_attempt_with_its_order(tmp_path: Path):
+def test_the_spare_is_warm_too_and_an_attempt_on_it_gets_each_tasks_rank(tmp_path: Path):
     calls: list[str] = []
-    pool = SlurmStandbyPool(cancelled(calls), "127.0.0.1")
+    healthy = ["c1", "c2", "c3"]
+    pool = make_pool(calls, healthy)
     first = request(tmp_path, 1, RKIT_INJECT="[{}]")
     pool.remember(first)
     pool.fill()
     # A stranger's connection (no token) is closed and never counts as a task.
     stranger = socket.create_connection(("127.0.0.1", pool.listener.getsockname()[1]))
     stranger.sendall(b"hello 0 1 1\n")
-    notes = pool_until(pool, "ready")
-    assert [n["what"] for n in notes] == ["started", "ready"]
-    assert notes[1]["pids"] == {"0": 1000, "1": 1001} and notes[1]["import_seconds"] == 1.5
-    second = request(tmp_path, 2)
-    step = pool.take(second)
-    assert step is not None and pool.step is None
+    seen: list[dict] = []
+    while len([n for n in seen if n["what"] == "ready"]) < 3:
+        seen += pool_until(pool, "ready")
+    assert sorted(n["nodes"][0] for n in seen if n["what"] == "started") == ["c1", "c2", "c3"]
+    healthy.remove("c2")  # c2 died: the next attempt runs on c1 and the spare c3
+    second = request(tmp_path, 2, nodes=("c1", "c3"))
+    steps = pool.take(second)
+    assert steps is not None and [s.node for s in steps] == ["c1", "c3"] and list(pool.steps) == ["c2"]
     stranger.settimeout(30)
     assert stranger.recv(10) == b""  # closed by the pool
-    pool.hand_over(step, second, second.log.parent)
-    assert step.proc.wait(timeout=30) == 0 and not calls
-    out = tmp_path / "standby" / "step-1"
-    for task in (0, 1):
-        order = json.loads((out / f"order-{task}.json").read_text())
-        assert order["argv"] == ["steps=40", "run_name=a2"] and order["attempt_dir"] == str(second.log.parent)
-        assert order["env"]["RKIT_ATTEMPT"] == "2" and order["env"]["RKIT_COORDINATOR"] == "c1:2002"
-        assert order["env"]["RKIT_INJECT"] is None  # attempt 1's injection is unset, not inherited
-        assert "HF_HOME" not in order["env"]  # the rest the step already has from srun
-    assert pool.check() == [{"what": "taken", "step": "standby-1", "pids": {"0": 1000, "1": 1001}}]
+    pool.hand_over(steps, second, second.log.parent)
+    assert all(step.proc.wait(timeout=30) == 0 for step in steps) and not calls
+    k = {step.node: int(step.name.split("-")[1]) for step in steps}
+    for index, node in enumerate(("c1", "c3")):
+        for task, order in orders(tmp_path, k[node]).items():
+            assert order["env"]["RKIT_RANK"] == str(2 * index + task) and order["env"]["RKIT_NODE_INDEX"] == str(index)
+            assert order["argv"] == ["steps=40", "run_name=a2"] and order["attempt_dir"] == str(second.log.parent)
+            assert order["env"]["RKIT_ATTEMPT"] == "2" and order["env"]["RKIT_COORDINATOR"] == "c1:2002"
+            assert order["env"]["RKIT_INJECT"] is None  # attempt 1's injection is unset, not inherited
+            assert "HF_HOME" not in order["env"]  # the rest the step already has from srun
+    assert [n["what"] for n in pool.check()] == ["taken", "taken"]
+    pool.fill()  # c2 is not healthy: its step goes; c1 and c3 get new ones
+    notes = pool.check()
+    assert notes[0]["what"] == "discarded" and notes[0]["node"] == "c2"
+    assert notes[0]["reason"] == "its node left the healthy nodes"
+    assert sorted(n["nodes"][0] for n in notes if n["what"] == "started") == ["c1", "c3"]
     pool.dismiss()
 
 
-def test_a_standby_step_on_other_nodes_or_not_ready_is_cancelled_and_the_attempt_starts_cold(tmp_path: Path):
+def test_a_standby_step_not_ready_or_of_another_environment_is_cancelled_and_the_attempt_starts_cold(tmp_path):
     calls: list[str] = []
-    pool = SlurmStandbyPool(cancelled(calls), "127.0.0.1")
-    pool.remember(request(tmp_path, 1))
+    pool = make_pool(calls, ["c1", "c2"])
+    pool.remember(request(tmp_path, 1, fake="one"))  # on c2 one task never gets ready
     pool.fill()
     pool_until(pool, "ready")
-    assert pool.take(request(tmp_path, 2, nodes=("c1", "c3"))) is None  # a node was replaced by the spare
-    assert calls == ["standby-1"]
-    assert pool.check()[-1] == {"what": "discarded", "step": "standby-1",
-                                "reason": "another environment or other nodes (the attempt starts cold)"}
-    pool.remember(request(tmp_path, 2, fake="one"))  # one task never gets ready
-    pool.fill()
-    assert pool.take(request(tmp_path, 3)) is None and calls == ["standby-1", "standby-2"]
-    assert pool.check()[-1]["reason"] == "not ready"
+    assert pool.take(request(tmp_path, 2, fake="one")) is None
+    assert calls == ["standby-2"] and list(pool.steps) == ["c1"]  # the ready one waits for the next attempt
+    assert pool.check()[-1] == {"what": "discarded", "step": "standby-2", "node": "c2", "reason": "not ready"}
+    assert pool.take(request(tmp_path, 3, fake="one", HF_HOME="/elsewhere", nodes=("c1",))) is None
+    assert calls == ["standby-2", "standby-1"] and pool.steps == {}
+    assert pool.check()[-1]["reason"] == "another environment (the attempt starts cold)"
     pool.dismiss()
 
 
 def test_a_standby_step_that_dies_is_replaced_and_after_three_in_a_row_standbys_stop(tmp_path: Path):
-    pool = SlurmStandbyPool(cancelled([]), "127.0.0.1")
-    pool.remember(request(tmp_path, 1, fake="die"))
+    pool = make_pool([], ["c1"])
+    pool.remember(request(tmp_path, 1, fake="die", nodes=("c1",)))
     pool.fill()
     notes = pool_until(pool, "off")
     assert [n["what"] for n in notes] == ["started", "died", "replaced", "died", "replaced", "died", "off"]
     assert f"{MAX_DEATHS} standby steps died in a row" in notes[-1]["reason"]
     pool.fill()
-    assert pool.step is None and pool.check() == []  # no more standby steps for this job
-    assert pool.take(request(tmp_path, 2)) is None
+    assert pool.steps == {} and pool.check() == []  # no more standby steps for this job
+    assert pool.take(request(tmp_path, 2, nodes=("c1",))) is None
     pool.dismiss()

@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shlex
 import signal
 import socket
 import subprocess
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, Resilience
 from ..errors import RkitError
 from ..liveness import HeartbeatListener, NodeLiveness
-from ..rundir import EV, RunDir, current_umask, open_for_writing, write_atomic
+from ..rundir import RunDir, current_umask, open_for_writing, write_atomic
 from ..stamp import redact
 from . import gpu_health, shared_paths
-from .base import Handle, NotEnoughNodes, RankExit, wait_for_dump
+from .base import NotEnoughNodes, RankExit, wait_for_dump
 from .slurm_queries import (  # noqa: F401 - the Slurm backend's queries, used through this module too
     JOB_ID,
     _run,
@@ -42,6 +41,15 @@ from .slurm_queries import (  # noqa: F401 - the Slurm backend's queries, used t
     submitted_job_id,
 )
 from .slurm_standby import SlurmStandbyPool
+from .slurm_steps import (  # noqa: F401 - the step types, used through this module too
+    LOST_NODE_WAIT,
+    SRUN_LAUNCH_FAILED,
+    SRUN_NODE_FAIL,
+    SRUN_TASK_EXIT,
+    StepHandle,
+    StepPart,
+    StepRequest,
+)
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
 # come from.
@@ -141,47 +149,6 @@ def submit(request: BatchRequest) -> str:
 # ---------------------------------------------------------------- job steps
 
 
-SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
-# srun could not start the step's tasks: Slurm refused the step, or a node did not take its tasks.
-SRUN_LAUNCH_FAILED = re.compile(r"srun: error: (?:Unable to create step for job \S+: .+|Task launch for StepId=\S+ "
-                                r"failed on node (\S+?):? .+|.*Requested node configuration is not available.*)")
-# How long srun may take to end after its step was cancelled while a node of the step is dead: srun waits for that
-# node's tasks until Slurm declares the node down (SlurmdTimeout, 300 s by default); its other tasks are gone.
-LOST_NODE_WAIT = 2.0
-SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    attempt: int
-    argv: list[str]
-    env: dict[str, str]
-    nodes: list[str]
-    log: Path
-    cwd: Path
-    processes: int = 0
-
-    def describe(self) -> str:
-        return shlex.join(self.argv)
-
-    def as_record(self, root: Path) -> dict:
-        return {"argv": self.argv, "nodes": self.nodes, "log": str(self.log.relative_to(root))}
-
-
-@dataclass
-class StepHandle(Handle):
-    request: StepRequest | None = None
-    proc: subprocess.Popen | None = None
-    step_name: str = ""  # the job step's name: attempt-<n>, or the standby step's that became the attempt
-
-    def __post_init__(self) -> None:
-        if not self.step_name and self.request is not None:
-            self.step_name = f"attempt-{self.request.attempt}"
-
-    def pids(self) -> dict[str, int]:
-        return {"srun": self.proc.pid}
-
-
 def step_port(job_id: str, attempt: int, tries: int = 0) -> int:
     """A port for jax.distributed's coordinator, different for every attempt of every job (and every try)."""
     return 20000 + zlib.crc32(f"{job_id}:{attempt}:{tries}".encode() if tries else
@@ -229,7 +196,8 @@ class SlurmStepBackend:
         # How the nodes reach this host (its NodeAddr): the standby step's and the heartbeats' address.
         address = node_address(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         # The next attempt's step, started beside the live one (slurm_standby.py).
-        self.standby = SlurmStandbyPool(self._cancel_step, address) if warm_standby else None
+        self.standby = SlurmStandbyPool(self._cancel_step, address, self.healthy_nodes,
+                                        tasks_per_node) if warm_standby else None
         # Every node's heartbeat and the probe step that confirms a silent node dead (liveness.py).
         self.liveness = None if liveness is None else NodeLiveness(
             HeartbeatListener(address), self.start_probe, silence=float(liveness.node_silence_seconds),
@@ -300,86 +268,46 @@ class SlurmStepBackend:
     def submit(self, request: StepRequest) -> StepHandle:
         request.log.parent.mkdir(parents=True, exist_ok=True)
         if self.standby is not None:
-            self.standby.remember(request)  # the next standby step is this attempt's, once it trains
+            self.standby.remember(request)  # the next standby steps are this attempt's, once it trains
             if (warm := self.standby.take(request)) is not None:
                 self.standby.hand_over(warm, request, request.log.parent)
-                try:  # srun's output (its task-failure lines) under the attempt's name too
-                    os.link(warm.launcher_log, request.log)
-                except OSError:
-                    request = replace(request, log=warm.launcher_log)
-                return StepHandle(request=request, proc=warm.proc, step_name=warm.name)
+                parts = []
+                for index, step in enumerate(warm):
+                    log = request.log if index == 0 else request.log.with_name(f"srun-{step.node}.log")
+                    try:  # srun's output (its task-failure lines) under the attempt's name too
+                        os.link(step.launcher_log, log)
+                    except OSError:
+                        log = step.launcher_log
+                    parts.append(StepPart(step.name, step.proc, log, index * step.tasks, step.tasks))
+                return StepHandle(request=request, parts=parts)
         with os.fdopen(open_for_writing(request.log), "ab") as log:
             proc = subprocess.Popen(request.argv, env=request.env, cwd=request.cwd, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        return StepHandle(request=request, proc=proc)
+        return StepHandle.cold(request, proc)
 
     def poll(self, handle: StepHandle) -> dict[int, RankExit]:
-        """srun ends when the step ends; its log says which task failed and how (Slurm's view of the step)."""
-        code = handle.proc.poll()
-        if code is None or handle.exits:
-            return handle.exits
-        handle.exits.update(self._classify(handle, code))
-        return handle.exits
-
-    def _classify(self, handle: StepHandle, code: int) -> dict[int, RankExit]:
-        text = handle.request.log.read_text(encoding="utf-8", errors="replace") if handle.request.log.exists() else ""
-        exits: dict[int, RankExit] = {}
-        for node, tasks, what in SRUN_TASK_EXIT.findall(text):
-            for rank in _ranks(tasks):
-                m = re.search(r"exit code (\d+)", what)
-                sig = re.search(r"Killed|Terminated|[Ss]egmentation|Aborted|signal (\d+)", what)
-                if m:
-                    exits.setdefault(rank, RankExit(rank, int(m.group(1)), node))
-                elif sig:
-                    exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node))
-        for match in SRUN_NODE_FAIL.finditer(text):
-            node = (match.group(1) or match.group(2) or "").rstrip(":,.")
-            if node and node not in handle.failed_nodes:
-                handle.failed_nodes.append(node)
-        if code != 0 and handle.launch_failed is None:
-            handle.launch_failed = self._launch_failure(handle, text, exits)
-        processes = int(handle.request.env.get("RKIT_NPROCS", "1"))
-        # Ranks srun did not name: 0 when the step succeeded, srun's own code when nothing was named,
-        # else killed because a peer failed (--kill-on-bad-exit).
-        for rank in range(processes):
-            exits.setdefault(rank, RankExit(rank, 0 if code == 0 else (code if not exits else -signal.SIGKILL)))
-        return exits
-
-    def _launch_failure(self, handle: StepHandle, text: str, exits: dict[int, RankExit]) -> str | None:
-        """What srun said when it could not start the step (the nodes it named go to `failed_nodes`), or, when no
-        rank's agent started at all, srun's last error line: the step failed before training could."""
-        found = [m for m in SRUN_LAUNCH_FAILED.finditer(text)]
-        for match in found:
-            if (node := match.group(1)) and node not in handle.failed_nodes:
-                handle.failed_nodes.append(node)
-        if found:
-            return found[0].group(0).removeprefix("srun: error: ").strip()
-        run, attempt = RunDir(handle.request.env["RKIT_RUN_DIR"]), handle.request.attempt
-        if any(e.get("event") == EV.AGENT_STARTED and e.get("attempt") == attempt for e in run.events()):
-            return None
-        for rank_exit in exits.values():  # srun named the nodes whose tasks ended before their agent began
-            if rank_exit.node and rank_exit.returncode != 0 and rank_exit.node not in handle.failed_nodes:
-                handle.failed_nodes.append(rank_exit.node)
-        errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
-        return "no rank started" + (f" ({errors[-1][:300]})" if errors else "")
+        """The ranks whose step ended, from srun's logs (slurm_steps.py)."""
+        return handle.poll()
 
     def running(self, handle: StepHandle) -> list[int]:
-        return [] if handle.proc.poll() is not None else list(range(int(handle.request.env["RKIT_NPROCS"])))
+        return handle.running()
 
     def request_save(self, handle: StepHandle) -> None:
         """Through the agents' request file: a container runtime between srun and the trainer may not pass a
         signal on (or may die of it and leave the trainer running)."""
-        if handle.proc.poll() is None:
+        if handle.alive:
             RunDir(handle.request.env["RKIT_RUN_DIR"]).preempt_request(handle.request.attempt).touch()
 
     def signal_all(self, handle: StepHandle, sig: int) -> None:
-        """SIGTERM (save and stop) goes through the agents' request file; any other signal ends the step."""
-        if handle.proc.poll() is not None:
+        """SIGTERM (save and stop) goes through the agents' request file; any other signal ends the steps."""
+        if not handle.alive:
             return
         if sig == signal.SIGTERM:
             self.request_save(handle)
             return
-        self._cancel_step(handle.step_name, handle.proc, sig)
+        for part in handle.parts:
+            if part.alive:
+                self._cancel_step(part.name, part.proc, sig)
 
     @staticmethod
     def _cancel_step(name: str, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
@@ -398,15 +326,11 @@ class SlurmStepBackend:
         if grace > 0:
             self.signal_all(handle, sig)
             deadline = time.monotonic() + grace
-            while handle.proc.poll() is None and time.monotonic() < deadline:
+            while handle.alive and time.monotonic() < deadline:
                 time.sleep(0.1)
-        if handle.proc.poll() is None:
+        if handle.alive:
             self.signal_all(handle, signal.SIGKILL)
-            try:
-                handle.proc.wait(timeout=LOST_NODE_WAIT if handle.failed_nodes else 60)
-            except subprocess.TimeoutExpired:
-                os.killpg(handle.proc.pid, signal.SIGKILL)
-                handle.proc.wait()
+            handle.wait_gone(LOST_NODE_WAIT if handle.failed_nodes else 60)
         self.poll(handle)
 
     def nodes(self, handle: StepHandle) -> list[str]:
@@ -430,31 +354,16 @@ class SlurmStepBackend:
         """SIGQUIT to every task of the step (the agents' faulthandler writes stacks/rank-<r>.txt), then SIGCONT
         (a stopped task dumps once it runs); returns once every rank's dump is written (at most 2 s), so that the
         kill that follows comes before a continued task could train on."""
-        job_id, step = os.environ.get("SLURM_JOB_ID"), step_id(handle.step_name)
-        if not job_id or step is None or handle.proc.poll() is not None:
+        job_id = os.environ.get("SLURM_JOB_ID")
+        steps = [step for part in handle.parts if part.alive and (step := step_id(part.name)) is not None]
+        if not job_id or not steps:
             return "none (the step is gone)"
         dumps = [out_dir / RunDir.stacks_file_name(r) for r in range(handle.request.processes)]
         before = [d.stat().st_size if d.exists() else 0 for d in dumps]
         for sig in ("QUIT", "CONT"):
-            subprocess.run(["scancel", f"--signal={sig}", f"{job_id}.{step}"], capture_output=True, check=False)
+            for step in steps:
+                subprocess.run(["scancel", f"--signal={sig}", f"{job_id}.{step}"], capture_output=True, check=False)
         for dump, size in zip(dumps, before, strict=True):
             wait_for_dump(dump, size)
         return "faulthandler (SIGQUIT through scancel; the agents write stacks/rank-<r>.txt)"
 
-
-def _ranks(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in spec.split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out.extend(range(int(lo), int(hi) + 1))
-        elif part.isdigit():
-            out.append(int(part))
-    return out
-
-
-def _signal_of(text: str) -> int:
-    if text.startswith("signal"):
-        return int(text.split()[-1])
-    return {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM, "Aborted": signal.SIGABRT}.get(
-        text, signal.SIGSEGV)

@@ -1,19 +1,23 @@
-"""Warm standbys on Slurm: one standby job step beside the live attempt, on the same nodes with the same tasks,
-whose tasks have already imported Python, JAX, MaxText and the agent (rkit.standby). The next attempt on those
-nodes is that step: the supervisor sends each task its order and the step is watched, stopped and classified like
-a cold attempt's step. A new standby step is started once that attempt has trained its first step.
+"""Warm standbys on Slurm: one standby job step per healthy node of the allocation, the spare nodes included,
+beside the live attempt, whose tasks (the attempt's tasks per node) have already imported Python, JAX, MaxText and
+the agent (rkit.standby). The next attempt is made of the standby steps of its nodes: the supervisor sends each
+task its order (its rank, its node's place in the attempt, what changes with every attempt), and the steps are
+watched, stopped and classified together like a cold attempt's one step. So an attempt that replaces a dead node
+by a spare starts warm on the spare too. New standby steps are started once that attempt has trained its first
+step.
 
-Slurm cannot hand one step's processes to another step, and a job step cannot be given a pipe, so the standby
-step is the attempt's step to be: `srun --overlap` (it shares the allocation's CPUs, memory and GPUs with the live
-step; it touches no device until it becomes the attempt), the same container, nodes, tasks and environment as the
-attempt it was started beside. Each task connects back to a listener in the supervisor once its imports are done
-(a token, its task id, its pid); that connection carries the order. The supervisor's death closes it, and the
-batch job's end ends the step.
+Slurm cannot hand one step's processes to another step, and a job step cannot be given a pipe, so a standby step
+is the attempt's part to be: `srun --overlap` (it shares the allocation's CPUs, memory and GPUs with the live step;
+it touches no device until it becomes the attempt), the same container, srun options and environment as the
+attempt it was started beside, on one node. Each task connects back to a listener in the supervisor once its
+imports are done (a token, its task id, its pid); that connection carries the order. The supervisor's death
+closes it, and the batch job's end ends the step.
 
-A standby step is used only on the same nodes, with the same srun options and the same environment except what
-changes with every attempt (standby.PER_ATTEMPT). Otherwise (a node was excluded, an attempt runs on a spare) it
-is cancelled and the attempt starts cold. A step that dies while waiting is replaced; after three that died in a
-row, standbys stop for this job (a note says why). None of it ever counts as a training failure.
+The attempt is warm only when every one of its nodes has a ready standby step started under the same srun options
+and environment (except what changes with every attempt: standby.PER_ATTEMPT); otherwise it starts cold and the
+ready steps wait for the next one. A node that leaves the healthy set (excluded) loses its standby step. A step
+that dies while waiting is replaced; after three that died in a row, standbys stop for this job (a note says
+why). None of it ever counts as a training failure.
 """
 
 from __future__ import annotations
@@ -33,36 +37,44 @@ from .standby import PER_ATTEMPT, fingerprint
 
 MAX_DEATHS = 3  # standby steps that died in a row before standbys stop for this job
 HELLO_SECONDS = 5.0  # a connected task sends its line at once; a peer that does not is no standby of ours
+# srun options that place a step; a standby step has its own (one node), so they are not part of its shape
+PLACEMENT = ("--output=", "--job-name=", "--nodes=", "--ntasks=", "--nodelist=")
 
 
 def step_name(k: int) -> str:
     return f"standby-{k}"
 
 
-def standby_argv(argv: list[str], out_dir: Path, name: str) -> list[str]:
-    """An attempt's srun command line as a standby step: --overlap, its own name and output, rkit.standby
-    instead of the agent and its MaxText arguments."""
+def standby_argv(argv: list[str], out_dir: Path, name: str, node: str, tasks_per_node: int) -> list[str]:
+    """An attempt's srun command line as the standby step of one node: --overlap, that node and its tasks, its
+    own name and output, rkit.standby instead of the agent and its MaxText arguments."""
     out = []
     for item in argv[: argv.index("rkit.agent")]:
         if item.startswith("--output="):
             item = f"--output={out_dir / RunDir.rank_log_name('%t')}"
         elif item.startswith("--job-name="):
             item = f"--job-name={name}"
+        elif item.startswith("--nodes="):
+            item = "--nodes=1"
+        elif item.startswith("--ntasks="):
+            item = f"--ntasks={tasks_per_node}"
+        elif item.startswith("--nodelist="):
+            item = f"--nodelist={node}"
         out.append(item)
     return [out[0], *([] if "--overlap" in out else ["--overlap"]), *out[1:], "rkit.standby"]
 
 
-def shape(argv: list[str], env: dict[str, str], nodes: list[str]) -> str:
-    """What must be equal for a standby step to become an attempt: nodes, srun options, container and Python,
+def shape(argv: list[str], env: dict[str, str]) -> str:
+    """What must be equal for a standby step to become part of an attempt: srun options, container and Python,
     and the environment except what changes with every attempt."""
-    fixed = [item for item in argv[: argv.index("rkit.agent")]
-             if not item.startswith(("--output=", "--job-name="))]
-    return fingerprint({**env, "\0argv": "\0".join(fixed), "\0nodes": ",".join(nodes)}, False)
+    fixed = [item for item in argv[: argv.index("rkit.agent")] if not item.startswith(PLACEMENT)]
+    return fingerprint({**env, "\0argv": "\0".join(fixed)}, False)
 
 
 @dataclass
 class StandbyStep:
     name: str
+    node: str
     proc: subprocess.Popen
     tasks: int
     key: str
@@ -83,13 +95,16 @@ class StandbyStep:
 
 
 class SlurmStandbyPool:
-    """The standby step of a Slurm job (at most one). `cancel(name, proc)` ends a step by its name (the backend's
-    scancel of <job>.<step>)."""
+    """The standby steps of a Slurm job, one per healthy node. `cancel(name, proc)` ends a step by its name (the
+    backend's scancel of <job>.<step>); `healthy()` lists the nodes an attempt may use."""
 
-    def __init__(self, cancel: Callable[[str, subprocess.Popen], None], address: str):
+    def __init__(self, cancel: Callable[[str, subprocess.Popen], None], address: str,
+                 healthy: Callable[[], list[str]], tasks_per_node: int):
         self.cancel = cancel
         self.address = address  # how the nodes reach this host (its NodeAddr)
-        self.step: StandbyStep | None = None
+        self.healthy = healthy
+        self.tasks_per_node = tasks_per_node
+        self.steps: dict[str, StandbyStep] = {}  # node -> its standby step
         self.listener: socket.socket | None = None
         self._template: Any = None  # the last attempt's StepRequest
         self._count = 0
@@ -108,10 +123,21 @@ class SlurmStandbyPool:
         return self.listener
 
     def fill(self) -> None:
-        if self.step is None and self._template is not None and self._deaths < MAX_DEATHS:
-            self._spawn("started")
+        """A standby step on every healthy node that has none; the steps of nodes no longer healthy go."""
+        healthy = self.healthy()
+        for node in [n for n in self.steps if n not in healthy]:
+            step = self.steps.pop(node)
+            self._discard(step, "its node left the healthy nodes")
+            if step.proc.poll() is None:  # its srun waits for a dead node's tasks until Slurm gives up on it
+                step.proc.kill()
+                step.proc.wait()
+        if self._template is None:
+            return
+        for node in healthy:
+            if node not in self.steps and self._deaths < MAX_DEATHS:
+                self._spawn(node, "started")
 
-    def _spawn(self, why: str) -> None:
+    def _spawn(self, node: str, why: str) -> None:
         request = self._template
         self._count += 1
         name = step_name(self._count)
@@ -123,18 +149,19 @@ class SlurmStandbyPool:
         launcher_log = out_dir / RunDir.launcher_log_name
         try:
             with os.fdopen(open_for_writing(launcher_log), "ab") as log:
-                proc = subprocess.Popen(standby_argv(request.argv, out_dir, name), env=env, cwd=request.cwd,
-                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
+                proc = subprocess.Popen(standby_argv(request.argv, out_dir, name, node, self.tasks_per_node),
+                                        env=env, cwd=request.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             self._deaths = MAX_DEATHS
-            self._notes.append({"what": "failed", "step": name, "reason": str(exc)})
+            self._notes.append({"what": "failed", "step": name, "node": node, "reason": str(exc)})
             return
-        self.step = StandbyStep(name, proc, request.processes, shape(request.argv, request.env, request.nodes),
-                                launcher_log, token)
-        self._notes.append({"what": why, "step": name, "nodes": list(request.nodes), "pid": proc.pid})
+        self.steps[node] = StandbyStep(name, node, proc, self.tasks_per_node, shape(request.argv, request.env),
+                                       launcher_log, token)
+        self._notes.append({"what": why, "step": name, "nodes": [node], "pid": proc.pid})
 
-    def _accept(self, step: StandbyStep) -> None:
+    def _accept(self) -> None:
+        tokens = {step.token: step for step in self.steps.values()}
         while self.listener is not None:
             try:
                 conn, _ = self.listener.accept()
@@ -147,7 +174,8 @@ class SlurmStandbyPool:
             except OSError:
                 conn.close()
                 continue
-            if len(line) != 4 or line[0] != step.token or not line[1].isdigit() or not line[2].isdigit():
+            step = tokens.get(line[0]) if len(line) == 4 else None
+            if step is None or not line[1].isdigit() or not line[2].isdigit():
                 conn.close()  # another step's task (one that was cancelled), or not ours at all
                 continue
             task = int(line[1])
@@ -159,67 +187,76 @@ class SlurmStandbyPool:
 
     def check(self) -> list[dict[str, Any]]:
         """Accept the tasks' ready lines; replace a step that died while waiting; what changed (for events)."""
-        step = self.step
-        if step is not None:
-            was = step.ready
-            self._accept(step)
+        was = {node: step.ready for node, step in self.steps.items()}
+        self._accept()
+        for node, step in list(self.steps.items()):
             if step.proc.poll() is not None:
-                self.step = None
+                del self.steps[node]
                 step.close()
                 self._deaths += 1
                 self._notes.append({"what": "died", "step": step.name, "pid": step.proc.pid,
                                     "returncode": step.proc.returncode})
                 if self._deaths < MAX_DEATHS:
-                    self._spawn("replaced")
+                    self._spawn(node, "replaced")
                 else:
                     self._notes.append({"what": "off", "reason": f"{MAX_DEATHS} standby steps died in a row "
                                         f"(their output: {step.launcher_log.parent})"})
-            elif step.ready and not was:
+            elif step.ready and not was.get(node):
                 self._deaths = 0
-                self._notes.append({"what": "ready", "step": step.name,
+                self._notes.append({"what": "ready", "step": step.name, "nodes": [node],
                                     "pids": {str(t): p for t, p in sorted(step.pids.items())},
                                     "import_seconds": round(max(step.seconds.values()), 3)})
         notes, self._notes = self._notes, []
         return notes
 
-    def take(self, request: Any) -> StandbyStep | None:
-        """The ready standby step, if it fits this attempt's launch (taken out of the pool); else None (cold)."""
-        step, self.step = self.step, None
-        if step is None:
+    def take(self, request: Any) -> list[StandbyStep] | None:
+        """The ready standby steps of the attempt's nodes, in its node order, if every node has one that fits
+        its launch (taken out of the pool); else None (cold: a step that does not fit is cancelled, a ready one
+        that fits waits for the next attempt)."""
+        self._accept()
+        key = shape(request.argv, request.env)
+        for node in request.nodes:
+            step = self.steps.get(node)
+            if step is not None and step.key != key:
+                self._discard(self.steps.pop(node), "another environment (the attempt starts cold)")
+        steps = [self.steps.get(node) for node in request.nodes]
+        if not all(step is not None and step.ready for step in steps):
+            for step in steps:
+                if step is not None and not step.ready:
+                    self._discard(self.steps.pop(step.node), "not ready")
             return None
-        self._accept(step)
-        fits = step.key == shape(request.argv, request.env, request.nodes)
-        if step.ready and fits:
-            return step
-        self._discard(step, "not ready" if not step.ready else
-                      "another environment or other nodes (the attempt starts cold)")
-        return None
+        for node in request.nodes:
+            del self.steps[node]
+        return steps
 
-    def hand_over(self, step: StandbyStep, request: Any, attempt_dir: Path) -> None:
-        """Each task's order: what changes with every attempt, the MaxText arguments, the attempt's directory."""
+    def hand_over(self, steps: list[StandbyStep], request: Any, attempt_dir: Path) -> None:
+        """Each task's order: its rank and its node's place in the attempt, what changes with every attempt, the
+        MaxText arguments, the attempt's directory."""
         at = request.argv.index("rkit.agent")
-        order = {"env": {k: request.env.get(k) for k in PER_ATTEMPT}, "argv": request.argv[at + 1:],
-                 "attempt_dir": str(attempt_dir)}
-        line = (json.dumps(order) + "\n").encode()
-        for conn in step.conns.values():
-            try:
-                conn.sendall(line)
-            except OSError:
-                pass  # that task is gone: srun ends the step (--kill-on-bad-exit), classified as a cold one would be
-        step.close()
-        self._notes.append({"what": "taken", "step": step.name,
-                            "pids": {str(t): p for t, p in sorted(step.pids.items())}})
+        shared = {k: request.env.get(k) for k in PER_ATTEMPT}
+        for index, step in enumerate(steps):
+            for task, conn in step.conns.items():
+                env = {**shared, "RKIT_RANK": str(index * step.tasks + task), "RKIT_NODE_INDEX": str(index)}
+                order = {"env": env, "argv": request.argv[at + 1:], "attempt_dir": str(attempt_dir)}
+                try:
+                    conn.sendall((json.dumps(order) + "\n").encode())
+                except OSError:
+                    pass  # that task is gone: srun ends its step, classified as a cold one would be
+            step.close()
+            self._notes.append({"what": "taken", "step": step.name, "nodes": [step.node],
+                                "pids": {str(t): p for t, p in sorted(step.pids.items())}})
 
     def _discard(self, step: StandbyStep, reason: str) -> None:
+        alive = step.proc.poll() is None  # before the close: a task that reads EOF ends its step by itself
         step.close()
-        if step.proc.poll() is None:
+        if alive:
             self.cancel(step.name, step.proc)
-        self._notes.append({"what": "discarded", "step": step.name, "reason": reason})
+        self._notes.append({"what": "discarded", "step": step.name, "node": step.node, "reason": reason})
 
     def dismiss(self) -> None:
-        if self.step is not None:
-            self._discard(self.step, "the job's supervisor is done")
-            self.step = None
+        for step in self.steps.values():
+            self._discard(step, "the job's supervisor is done")
+        self.steps.clear()
         if self.listener is not None:
             self.listener.close()
             self.listener = None

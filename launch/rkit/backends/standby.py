@@ -27,8 +27,8 @@ from ..rundir import open_for_writing
 
 PREFIX = "APPTAINERENV_"
 STANDBY_LOG = "standby.log"
-PER_ATTEMPT = ("RKIT_ATTEMPT", "RKIT_RANK", "RKIT_COORDINATOR", "RKIT_INJECT", "RKIT_SUPERVISOR_FD",
-               "RKIT_SUPERVISOR_TOKEN", "RKIT_STANDBY_READY_FD")
+PER_ATTEMPT = ("RKIT_ATTEMPT", "RKIT_RANK", "RKIT_NODE_INDEX", "RKIT_COORDINATOR", "RKIT_INJECT",
+               "RKIT_SUPERVISOR_FD", "RKIT_SUPERVISOR_TOKEN", "RKIT_STANDBY_READY_FD")
 
 
 def inside(env: dict[str, str], container: bool) -> dict[str, str]:

@@ -32,6 +32,9 @@ from ..errors import RkitError
 from ..rundir import EV, RunDir, open_for_writing, write_json_atomic
 
 PR_SET_PDEATHSIG = 1
+# The node's place among the attempt's nodes, where Slurm's SLURM_NODEID cannot say it: a warm attempt is made of
+# one standby step per node (backends/slurm_standby.py), each of whose SLURM_NODEID is 0.
+NODE_INDEX_ENV = "RKIT_NODE_INDEX"
 NICENESS = 10
 PARENT_POLL_SECONDS = 1.0
 
@@ -49,6 +52,8 @@ def node_name(environ: Mapping[str, str] | None = None) -> str:
 
 def node_index_from_env(launcher: str, environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
+    if (given := env.get(NODE_INDEX_ENV, "")).isdigit():  # a warm attempt's node: its place in the attempt
+        return int(given)
     raw = env.get("SLURM_NODEID", "0") if launcher != "local" else "0"
     return int(raw) if raw.isdigit() else 0
 
