@@ -217,8 +217,9 @@ def test_supervisor_sigkill_ends_the_job_and_its_steps_and_resume_finishes(clust
 
 def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(cluster, slurm_workspace, cpu_image,
                                                                              clean_run: RunDir):
-    # Rank 1 stops itself at step 15 (hang detection off); once the standby step beside the attempt says it is
-    # ready, the test kills that rank: a task failure, the same nodes, and the next attempt is the standby step.
+    # Rank 1 stops itself at step 15 (hang detection off); once the standby steps beside the attempt (one per node,
+    # the spare's too) say they are ready, the test kills that rank: a task failure, the same nodes, and the next
+    # attempt is made of the standby steps of its two nodes.
     import psutil
 
     run = submit(cluster, slurm_workspace, "warm", cpu_image, "-o", "resilience.warm_standby=true",
@@ -228,7 +229,8 @@ def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(clus
         return [e for e in run.events() if e["event"] == "standby" and e["what"] == what] \
             if run.events_file.exists() else []
 
-    ready = wait_until(lambda: notes("ready"), 600, "the standby step ready")[0]
+    ready = wait_until(lambda: len(notes("ready")) >= 3 and notes("ready"), 600, "a standby step on each node")
+    assert sorted(n["nodes"][0] for n in ready) == ["c1", "c2", "c3"]
     mark = f"base_output_directory={run.path.resolve()}"
 
     def hung_rank() -> psutil.Process | None:
@@ -239,16 +241,18 @@ def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(clus
     s = wait_finished(cluster, run)
     assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]][-1] == "completed"
     assert len(s["attempts"]) == 2, s["attempts"]
-    taken = notes("taken")
-    assert [t["step"] for t in taken] == [ready["step"]] and taken[0]["pids"] == ready["pids"]
+    taken = notes("taken")  # attempt 2's node 0, then node 1
+    first, second = (json.loads((run.attempt_dir(a) / "attempt.json").read_text()) for a in (1, 2))
+    assert [t["nodes"][0] for t in taken] == second["nodes"] == first["nodes"]
+    by_step = {n["step"]: n for n in ready}
+    assert all(t["pids"] == by_step[t["step"]]["pids"] for t in taken)
     events = run.events()
-    started = {str(e["rank"]): e for e in events if e["event"] == "agent.started" and e["attempt"] == 2}
-    assert {r: e["pid"] for r, e in started.items()} == ready["pids"]  # the resumed ranks are the standby tasks
+    started = {e["rank"]: e for e in events if e["event"] == "agent.started" and e["attempt"] == 2}
+    # the resumed ranks are the standby tasks: rank i is task 0 of node i's step
+    assert {r: e["pid"] for r, e in started.items()} == {i: t["pids"]["0"] for i, t in enumerate(taken)}
     assert all(e["warm"] for e in started.values())
     assert all(e["warm"] and e["import_seconds"] < 1 for e in events
                if e["event"] == "agent.ready" and e["attempt"] == 2)
-    first, second = (json.loads((run.attempt_dir(a) / "attempt.json").read_text()) for a in (1, 2))
-    assert first["nodes"] == second["nodes"]
     assert (run.attempt_dir(2) / "srun.log").is_file() and (run.attempt_dir(2) / "rank-1.log").is_file()
     ended = [e for e in events if e["event"] == "attempt.ended"]
     assert ended[0]["decision"] == "restart" and ended[0]["tally"]["infra_failures"] == 0

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from rkit.rundir import RunDir
+from rkit.telemetry import metrics
 from rkit.telemetry.metrics import merged
 
 from ..conftest import wait_until
@@ -75,6 +76,44 @@ def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on
     print(f"SlurmdTimeout={real_timeouts[0]}: node crash -> rkit's detection {failed['t'] - crashed_at:.1f} s, "
           f"-> first resumed step {first_step['t'] - crashed_at:.1f} s")
     assert final_loss(run) == final_loss(clean_run)
+
+
+def test_a_node_crash_with_warm_standbys_resumes_warm_on_the_spare(cluster, real_timeouts, slurm_workspace,
+                                                                   cpu_image):
+    # Long enough for the standby steps to be ready before the crash (they start after the first step).
+    run = submit(cluster, slurm_workspace, "warm-300", cpu_image, "-o", "resilience.warm_standby=true",
+                 "-o", "trainer.steps=200")
+
+    def ready() -> list[dict]:
+        return [e for e in events_named(run, "standby") if e["what"] == "ready"]
+
+    wait_until(lambda: len(ready()) >= 3, 600, "a standby step on each node, the spare's too")
+    assert sorted(n["nodes"][0] for n in ready()) == ["c1", "c2", "c3"]
+    victim, crashed_at = crash_when_at_step(cluster, run, 25, which=1)
+    try:
+        end = wait_until(lambda: final_event(run), 600, "the run's final event")
+    finally:
+        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    wait_until(lambda: squeue(cluster, job_of(run)) == "", 300, "the job to leave the queue", every=2)
+    assert end["event"] == "run.finished", end
+    assert [d["node"] for d in events_named(run, "node.dead")] == [victim]
+    second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
+    assert victim not in second["launch"]["nodes"] and "c3" in second["launch"]["nodes"]
+    taken = [e for e in events_named(run, "standby") if e["what"] == "taken"]
+    assert [t["nodes"][0] for t in taken] == second["launch"]["nodes"]  # the spare's standby step too
+    agents = [e for e in events_named(run, "agent.started") if e["attempt"] == 2]
+    assert len(agents) == 2 and all(e["warm"] for e in agents)
+    assert all(e["import_seconds"] < 1 for e in events_named(run, "agent.ready") if e["attempt"] == 2)
+    first_step = next(e for e in events_named(run, "attempt.first_step") if e["attempt"] == 2)
+    print(f"SlurmdTimeout={real_timeouts[0]}, warm standbys: node crash -> first resumed step on the spare "
+          f"{first_step['t'] - crashed_at:.1f} s")
+    # The steps trained again after the resume have attempt 1's losses, bit for bit, and the run trained to the end.
+    by_attempt: dict[int, dict[int, float]] = {1: {}, 2: {}}
+    for line in metrics.lines(run, 0):
+        by_attempt[line["attempt"]][line["step"]] = line["loss"]
+    again = sorted(set(by_attempt[1]) & set(by_attempt[2]))
+    assert again and again[0] == second["resume_from_step"] + 1 and max(by_attempt[2]) == 199
+    assert [by_attempt[2][step] for step in again] == [by_attempt[1][step] for step in again]
 
 
 def node_processes(run: RunDir, node: str) -> list[psutil.Process]:
