@@ -176,8 +176,11 @@ def task_exit(workdir: Path, i: int, image: str, warm: bool) -> dict[str, float]
     import psutil
 
     name = f"{'warm' if warm else 'cold'}-{i}"
+    # node_silence_seconds=60: JAX's heartbeat timeout above the time rank 1 stays stopped (tests/integration).
     run = submit(workdir, name, image, extra=("-o", f"resilience.warm_standby={str(warm).lower()}",
-                                              "-o", "resilience.hang_timeout=null", "--inject", "hang:rank=1,step=15"))
+                                              "-o", "resilience.hang_timeout=null",
+                                              "-o", "resilience.node_silence_seconds=60",
+                                              "--inject", "hang:rank=1,step=15"))
     job = first(events(run), "job.submitted")["job_id"]
     mark = f"base_output_directory={run.resolve()}"
 

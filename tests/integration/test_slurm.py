@@ -222,8 +222,11 @@ def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(clus
     # attempt is made of the standby steps of its two nodes.
     import psutil
 
+    # node_silence_seconds=60: JAX's heartbeat timeout (2 x (silence + probe)) above the time rank 1 stays stopped
+    # while the standbys get ready; at the default 16 s JAX would end rank 0 first.
     run = submit(cluster, slurm_workspace, "warm", cpu_image, "-o", "resilience.warm_standby=true",
-                 "-o", "resilience.hang_timeout=null", "--inject", "hang:rank=1,step=15")
+                 "-o", "resilience.hang_timeout=null", "-o", "resilience.node_silence_seconds=60",
+                 "--inject", "hang:rank=1,step=15")
 
     def notes(what: str) -> list[dict]:
         return [e for e in run.events() if e["event"] == "standby" and e["what"] == what] \

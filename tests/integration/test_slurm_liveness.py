@@ -80,15 +80,18 @@ def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on
 
 def test_a_node_crash_with_warm_standbys_resumes_warm_on_the_spare(cluster, real_timeouts, slurm_workspace,
                                                                    cpu_image):
-    # Long enough for the standby steps to be ready before the crash (they start after the first step).
+    # Long enough for the three standby steps (started after the first step, importing beside the training on these
+    # 2 cores) to be ready before the crash. (A rank stopped to wait for them would be declared dead by JAX's own
+    # heartbeat after 16 s.)
     run = submit(cluster, slurm_workspace, "warm-300", cpu_image, "-o", "resilience.warm_standby=true",
-                 "-o", "trainer.steps=200")
+                 "-o", "trainer.steps=600")
 
     def ready() -> list[dict]:
         return [e for e in events_named(run, "standby") if e["what"] == "ready"]
 
     wait_until(lambda: len(ready()) >= 3, 600, "a standby step on each node, the spare's too")
     assert sorted(n["nodes"][0] for n in ready()) == ["c1", "c2", "c3"]
+    assert not final_event(run), "the run ended before its standby steps were ready"
     victim, crashed_at = crash_when_at_step(cluster, run, 25, which=1)
     try:
         end = wait_until(lambda: final_event(run), 600, "the run's final event")
@@ -112,7 +115,7 @@ def test_a_node_crash_with_warm_standbys_resumes_warm_on_the_spare(cluster, real
     for line in metrics.lines(run, 0):
         by_attempt[line["attempt"]][line["step"]] = line["loss"]
     again = sorted(set(by_attempt[1]) & set(by_attempt[2]))
-    assert again and again[0] == second["resume_from_step"] + 1 and max(by_attempt[2]) == 199
+    assert again and again[0] == second["resume_from_step"] + 1 and max(by_attempt[2]) == 599
     assert [by_attempt[2][step] for step in again] == [by_attempt[1][step] for step in again]
 
 
