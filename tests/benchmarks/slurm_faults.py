@@ -7,6 +7,8 @@
 are 300,10; the test bed's own 20,5), set back afterwards.
 
 node crash: the node running rank 1 (not the batch host) is crashed at step >= 25; a spare node replaces it.
+  (node-crash-warm: with resilience.warm_standby=true, 600 steps, crashed once a standby step is ready on every
+  node: the attempt on the spare starts warm)
   detection  crash -> the attempt ends as a node failure (rkit's heartbeats and probe step, or Slurm through srun:
              `by` says which saw it first)
   stop       -> the attempt's step cancelled and its srun gone (attempt.ended)
@@ -111,9 +113,13 @@ def final(run: Path) -> bool:
     return any(e["event"] in ("run.finished", "run.gave_up") for e in events(run))
 
 
-def node_crash(workdir: Path, i: int, image: str) -> dict[str, float]:
-    run = submit(workdir, f"crash-{i}", image)
+def node_crash(workdir: Path, i: int, image: str, warm: bool = False) -> dict[str, float]:
+    # warm: standby steps on every node, the spare's too; 600 steps, so that they are ready before the crash
+    extra = ("-o", "resilience.warm_standby=true") if warm else ()
+    run = submit(workdir, f"crash-{'warm-' if warm else ''}{i}", image, steps=600 if warm else 40, extra=extra)
     job = first(events(run), "job.submitted")["job_id"]
+    if warm:
+        wait(lambda: sum(e["event"] == "standby" and e["what"] == "ready" for e in events(run)) >= 3, timeout=600)
     with crashed(run, which=1) as fault:
         wait(lambda: final(run), timeout=900)  # at SlurmdTimeout=300 the job then waits for the dead node
     wait(lambda: finished(run, job), timeout=600)
@@ -203,7 +209,8 @@ def task_exit(workdir: Path, i: int, image: str, warm: bool) -> dict[str, float]
             "import": ready - max(e["t"] for e in agents), "restore": step - ready}
 
 
-FAULTS = {"node-crash": node_crash, "batch-host-crash": batch_host_crash, "usr1": usr1,
+FAULTS = {"node-crash": node_crash, "node-crash-warm": lambda w, i, image: node_crash(w, i, image, True),
+          "batch-host-crash": batch_host_crash, "usr1": usr1,
           "task-exit-cold": lambda w, i, image: task_exit(w, i, image, False),
           "task-exit-warm": lambda w, i, image: task_exit(w, i, image, True)}
 
