@@ -10,7 +10,8 @@ collective with a dead peer hangs. So every node of an attempt sends the supervi
   probed     by a second, bounded channel: a one-task step on that node (the backend's `start_probe`, `srun
              --overlap --nodelist=NODE true`) that must succeed within `probe_timeout` seconds;
   alive      when the probe succeeds or its heartbeat comes back (a slow node, a long save or compilation: the
-             attempt goes on, and it is not probed again before another `silence` of silence);
+             attempt goes on; a node that stays silent is probed again after twice as long each time, 2 x silence
+             first, at most MAX_BACKOFF);
   dead       when the probe fails or times out: the supervisor ends the attempt as a node failure, cancels the step
              and excludes the node, so the next attempt runs on the healthy nodes and the spares.
 
@@ -30,6 +31,7 @@ from typing import Any
 from . import heartbeat
 
 STARTUP_SILENCE = 30.0  # before a node's first heartbeat: its container, Python and the agent start
+MAX_BACKOFF = 60.0  # a node found alive while still silent is probed again after 2x, 4x ... the silence, at most this
 MAX_DATAGRAMS = 4096  # read per pass at most: a flood cannot hold the supervisor's loop
 
 
@@ -127,7 +129,8 @@ class NodeLiveness:
     heard: set[str] = field(default_factory=set)  # nodes heard from in this attempt
     ranks_of: dict[str, list[int]] = field(default_factory=dict)
     probes: dict[str, Probe] = field(default_factory=dict)
-    cleared: dict[str, float] = field(default_factory=dict)  # node -> when it was last found alive
+    cleared: dict[str, float] = field(default_factory=dict)  # node -> when it was last found alive (+ its backoff)
+    backoff: dict[str, float] = field(default_factory=dict)  # node -> the wait before its next probe while silent
     dead: set[str] = field(default_factory=set)  # confirmed in this attempt: never probed again
 
     def environment(self) -> dict[str, str]:
@@ -139,7 +142,7 @@ class NodeLiveness:
         self.end()
         now = self.clock()
         self.listener.drain()  # the previous attempt's last beats
-        self.attempt, self.heard, self.cleared, self.dead = attempt, set(), {}, set()
+        self.attempt, self.heard, self.cleared, self.dead, self.backoff = attempt, set(), {}, set(), {}
         # Before a node's first heartbeat its start-up is allowed STARTUP_SILENCE (less `silence`, which the
         # policy adds).
         self.since = {n: now + max(0.0, STARTUP_SILENCE - self.silence) for n in nodes}
@@ -155,6 +158,7 @@ class NodeLiveness:
             if beat.attempt == self.attempt and beat.node in self.since:
                 self.since[beat.node] = now
                 self.heard.add(beat.node)
+                self.backoff.pop(beat.node, None)
                 if (probe := self.probes.pop(beat.node, None)) is not None:
                     _discard(probe)
                     self.cleared[beat.node] = now
@@ -167,7 +171,8 @@ class NodeLiveness:
             del self.probes[node]
             alive, said = result
             if alive:
-                self.cleared[node] = now
+                wait = self.backoff[node] = min(MAX_BACKOFF, 2 * self.backoff.get(node, self.silence))
+                self.cleared[node] = now + max(0.0, wait - self.silence)
                 notes.append({"event": "node.alive", "node": node, "how": "it answered the probe step",
                               "after_seconds": round(now - probe.started, 3)})
             else:

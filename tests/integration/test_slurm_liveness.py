@@ -51,10 +51,10 @@ def final_event(run: RunDir) -> dict | None:
     return next((e for e in reversed(events_named(run, "run.finished") + events_named(run, "run.gave_up"))), None)
 
 
-def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on_the_spare(
-        cluster, real_timeouts, slurm_workspace, cpu_image, clean_run: RunDir):
-    run = submit(cluster, slurm_workspace, "crash-300", cpu_image)
-    victim, crashed_at = crash_when_at_step(cluster, run, 25, which=1)  # rank 1's node; the batch host lives
+def crash_and_finish(cluster, run: RunDir) -> tuple[str, float]:
+    """Crash rank 1's node (the batch host lives) once rank 0 is past step 25; wait until the run finished, bring
+    the node back and wait until the job left the queue. Returns the node and the crash time."""
+    victim, crashed_at = crash_when_at_step(cluster, run, 25, which=1)
     try:
         # The run ends long before Slurm would mark the node down; its job then waits in COMPLETING for the dead
         # node, until the node is back.
@@ -63,6 +63,13 @@ def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on
         subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
     wait_until(lambda: squeue(cluster, job_of(run)) == "", 300, "the job to leave the queue", every=2)
     assert end["event"] == "run.finished", end
+    return victim, crashed_at
+
+
+def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on_the_spare(
+        cluster, real_timeouts, slurm_workspace, cpu_image, clean_run: RunDir):
+    run = submit(cluster, slurm_workspace, "crash-300", cpu_image)
+    victim, crashed_at = crash_and_finish(cluster, run)
     dead = events_named(run, "node.dead")
     assert [d["node"] for d in dead] == [victim] and dead[0]["detected_by"] == "rkit" and dead[0]["heard_from"]
     failed = events_named(run, "attempt.failed")[0]
@@ -92,13 +99,7 @@ def test_a_node_crash_with_warm_standbys_resumes_warm_on_the_spare(cluster, real
     wait_until(lambda: len(ready()) >= 3, 600, "a standby step on each node, the spare's too")
     assert sorted(n["nodes"][0] for n in ready()) == ["c1", "c2", "c3"]
     assert not final_event(run), "the run ended before its standby steps were ready"
-    victim, crashed_at = crash_when_at_step(cluster, run, 25, which=1)
-    try:
-        end = wait_until(lambda: final_event(run), 600, "the run's final event")
-    finally:
-        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
-    wait_until(lambda: squeue(cluster, job_of(run)) == "", 300, "the job to leave the queue", every=2)
-    assert end["event"] == "run.finished", end
+    victim, crashed_at = crash_and_finish(cluster, run)
     assert [d["node"] for d in events_named(run, "node.dead")] == [victim]
     second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
     assert victim not in second["launch"]["nodes"] and "c3" in second["launch"]["nodes"]

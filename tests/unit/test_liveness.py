@@ -265,3 +265,22 @@ def test_status_and_goodput_show_the_detection_and_each_part_of_the_recovery():
     lost = goodput.compute(events)
     assert lost.seconds["detect"] == pytest.approx(4.5)
     assert sum(lost.seconds.values()) == pytest.approx(lost.wall_seconds)
+
+
+def test_a_node_that_answers_its_probe_while_still_silent_is_probed_again_less_and_less_often():
+    now = [0.0]
+    probes: list[float] = []
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(now[0]) or _done("true"), silence=3,
+                        probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    try:
+        live.watch(1, ["c1"], 1)
+        now[0] = STARTUP_SILENCE + 1  # a node whose container takes long to start: alive, never heard from
+        for _ in range(400):
+            live.check({})
+            now[0] += 0.5
+        gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+        # 2x, 4x, 8x, 16x the silence, then at most 60 s after each answer (which comes one 0.5 s pass after its
+        # probe, and the next probe one pass after the wait)
+        assert [g - 1 for g in gaps[:5]] == [6, 12, 24, 48, 60] and max(gaps) == 61
+    finally:
+        live.close()
