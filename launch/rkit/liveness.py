@@ -79,9 +79,7 @@ class HeartbeatListener:
         for _ in range(MAX_DATAGRAMS):
             try:
                 data = self.sock.recv(heartbeat.MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+            except OSError:  # BlockingIOError: nothing more has arrived
                 break
             beat = heartbeat.decode(self.token, data)
             if beat is not None:

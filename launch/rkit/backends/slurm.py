@@ -41,15 +41,7 @@ from .slurm_queries import (  # noqa: F401 - the Slurm backend's queries, used t
     submitted_job_id,
 )
 from .slurm_standby import SlurmStandbyPool
-from .slurm_steps import (  # noqa: F401 - the step types, used through this module too
-    LOST_NODE_WAIT,
-    SRUN_LAUNCH_FAILED,
-    SRUN_NODE_FAIL,
-    SRUN_TASK_EXIT,
-    StepHandle,
-    StepPart,
-    StepRequest,
-)
+from .slurm_steps import LOST_NODE_WAIT, StepHandle, StepPart, StepRequest
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
 # come from.
