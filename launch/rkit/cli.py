@@ -53,8 +53,11 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Check RECIPE against the schema; report every problem with its key and line."""
     from .recipe import load_recipe
 
+    from .runner import validate_maxtext_keys
+
     try:
         loaded = load_recipe(recipe, overrides)
+        note = validate_maxtext_keys(loaded)
     except RecipeError as exc:
         if as_json:
             click.echo(json.dumps({"valid": False, "file": exc.source,
@@ -66,6 +69,8 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
                                "resolved": loaded.resolved}, indent=2, sort_keys=True))
     else:
         click.echo(f"{recipe}: valid; config hash {loaded.config_hash}")
+    if note:
+        click.echo(f"rkit: {note}", err=True)
 
 
 @main.command()

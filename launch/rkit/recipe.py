@@ -55,6 +55,7 @@ class Recipe:
     source: str
     text: str
     resolved: dict
+    overrides: tuple[str, ...] = ()  # the -o options, as given
 
     @cached_property
     def config(self) -> Config:
@@ -75,6 +76,14 @@ class Recipe:
     @property
     def processes(self) -> int:
         return self.config.processes
+
+    def command(self, *extra: str, drop: tuple[str, ...] = ()) -> str:
+        """`rkit run` of this recipe with the user's own -o options (less those setting a key in `drop`), then
+        `extra`: what a hint tells the user to type."""
+        import shlex
+
+        kept = [o for o in self.overrides if o.partition("=")[0].strip() not in drop]
+        return shlex.join(["rkit", "run", self.source, *(a for o in kept for a in ("-o", o)), *extra])
 
 
 # ---------------------------------------------------------------- defaults and validation
@@ -217,10 +226,7 @@ def parse_recipe(source: str, text: str, overrides: list[str] | tuple[str, ...] 
         except yaml.YAMLError as exc:  # constructor errors not caught above
             raise RecipeError(source, [yaml_problem(exc)]) from None
         keep_as_written(node, data)
-        override_problems = apply_overrides(source, data, list(overrides))
-        for p in override_problems:
-            p.message += " (from -o)"
-        problems = override_problems
+        problems = apply_overrides(source, data, list(overrides))
     if not problems:
         unfit = unfit_values(data)
         apply_defaults(data, schema())
@@ -228,10 +234,29 @@ def parse_recipe(source: str, text: str, overrides: list[str] | tuple[str, ...] 
         problems = unfit + [p for p in _schema_problems(data) + _semantic_problems(data) if p.path not in named]
     if problems:
         for p in problems:
-            if p.line is None and p.path:
+            origin = override_origin(overrides, p.path) if p.path else None
+            if origin is not None and "(from -o" not in p.message:
+                p.message += f" (from -o {origin})"
+            elif p.line is None and p.path and origin is None:
                 p.line = _nearest_line(lines, p.path)
         raise RecipeError(source, problems)
-    return Recipe(source=source, text=text, resolved=data)
+    return Recipe(source=source, text=text, resolved=data, overrides=tuple(overrides))
+
+
+def override_origin(overrides: list[str] | tuple[str, ...], path: str) -> str | None:
+    """The last -o option that set `path` or a key above it (the value the recipe ended up with), as given."""
+    parts = tuple(p for p in re.split(r"\.|\[|\]", path) if p)
+    for item in reversed(list(overrides)):
+        key = tuple(item.partition("=")[0].strip().split("."))
+        if key and parts[:len(key)] == key:
+            return item
+    return None
+
+
+def recipe_lines(recipe: Recipe) -> dict[tuple, int]:
+    """Each key path of the recipe's text and its line (1-based)."""
+    node = compose(recipe.source, recipe.text)
+    return line_index(node) if isinstance(node, yaml.MappingNode) else {}
 
 
 def _nearest_line(lines: dict[tuple, int], path: str) -> int | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__, determinism, imageagent, imageenv, manifest
+from . import __version__, determinism, imageagent, imageenv, manifest, maxtext_keys
 from .backends.local import Container, LocalBackend
 from .config import Config
 from .errors import RkitError, RunDirUnwritable
@@ -50,7 +50,8 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
     except FileExistsError:
         if not resume:
             raise RkitError(f"{run.path}: a run named {recipe.name!r} already exists. Continue it with "
-                            f"`rkit run {recipe.source} --resume`, or pick a new name with -o name=NEW.") from None
+                            f"`{recipe.command('--resume')}`, or start another with "
+                            f"`{recipe.command('-o', 'name=NEW', drop=('name',))}`.") from None
         if not run.exists():
             raise RkitError(f"{run.path}: exists but is not an rkit run (no resolved.json); move it away "
                             "or pick a new name with -o name=NEW.") from None
@@ -117,7 +118,8 @@ def check_resume(run: RunDir, recipe: Recipe, image: ImageIdentity | None) -> di
         raise RkitError(f"{run.path}: the recipe differs from the one this run was started with in what it trains "
                         f"(changed: {', '.join(training)}); a resumed run must train the same config. Operational "
                         "settings (resilience, observability, slurm time/partition/account/qos/...) and a longer "
-                        "trainer.steps may change on --resume. Start a new run with -o name=NEW.")
+                        "trainer.steps may change on --resume. Start a new run with "
+                        f"`{recipe.command('-o', 'name=NEW', drop=('name',))}`.")
     changes = {key: [_at(recorded, key), _at(recipe.resolved, key)]
                for key in sorted(_changed_keys(recorded, recipe.resolved)) if key not in ("name", "runs_dir")}
     if "trainer.steps" in changes:
@@ -174,9 +176,27 @@ def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection],
     """`rkit run`: resolve the image (a missing apptainer or image fails here, before anything exists), then run
     here (local) or submit the batch job (slurm)."""
     image = resolve_image(recipe.config.image)
+    check_maxtext_keys(recipe, image)
     if recipe.config.launcher == "slurm":
         return submit_slurm(recipe, image=image, resume=resume, injections=injections), RunState.PENDING
     return execute(recipe, image=image, resume=resume, injections=injections, on_progress=on_progress)
+
+
+def check_maxtext_keys(recipe: Recipe, image: ImageIdentity | None) -> None:
+    """trainer.overrides against the MaxText that will train (maxtext_keys.py): a RecipeError before anything
+    exists; a note on stderr where the keys cannot be read here."""
+    if (note := maxtext_keys.safe_check(recipe, image)) is not None:
+        print(f"rkit: {note}", file=sys.stderr)
+
+
+def validate_maxtext_keys(recipe: Recipe) -> str | None:
+    """`rkit validate`: the same check as `run`, where the image is at hand; otherwise a note (validating a
+    recipe needs no apptainer and no built image)."""
+    try:
+        image = resolve_image(recipe.config.image)
+    except RkitError as exc:
+        return f"note: trainer.overrides not checked against MaxText: the image is not at hand ({exc})"
+    return maxtext_keys.safe_check(recipe, image)
 
 
 def submit_slurm(recipe: Recipe, *, image: ImageIdentity | None, resume: bool,
@@ -340,6 +360,7 @@ def dry_run(recipe: Recipe, injections: list[Injection]) -> str:
     import shlex
 
     image = resolve_image(recipe.config.image)
+    check_maxtext_keys(recipe, image)
     run = run_path(recipe)
     head = [f"# rkit run --dry-run: {recipe.source}, config hash {recipe.config_hash}",
             f"# run directory {run.path.resolve()} ({'exists: --resume continues it' if run.exists() else 'new'})",

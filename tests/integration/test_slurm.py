@@ -190,18 +190,28 @@ def test_supervisor_sigkill_ends_the_job_and_its_steps_and_resume_finishes(clust
 
     run = submit(cluster, slurm_workspace, "supkill", cpu_image)
     job = job_of(run)
-    wait_until(lambda: len(merged(run, 0)) >= 15, 600, "step 15")
     argv_end = ["supervise", str(run.path.resolve())]
     supervisor = wait_until(lambda: next((p for p in psutil.process_iter(["cmdline"])
                                           if (p.info["cmdline"] or [])[-2:] == argv_end), None),
-                            60, "the supervisor process")
-    killed = time.time()
-    supervisor.kill()
+                            600, "the supervisor process")
+
+    def ranks() -> list[psutil.Process]:
+        mark = f"base_output_directory={run.path.resolve()}"
+        return [p for p in psutil.process_iter(["cmdline", "status"])
+                if p.info["status"] != psutil.STATUS_ZOMBIE and mark in (p.info["cmdline"] or [])]
 
     def ranks_alive() -> list[int]:
-        mark = f"base_output_directory={run.path.resolve()}"
-        return [p.pid for p in psutil.process_iter(["cmdline", "status"])
-                if p.info["status"] != psutil.STATUS_ZOMBIE and mark in (p.info["cmdline"] or [])]
+        return [p.pid for p in ranks()]
+
+    wait_until(lambda: len(merged(run, 0)) >= 15, 600, "step 15")
+    # Both ranks are stopped before the kill, so the 40-step run cannot finish in between on a loaded machine
+    # (CI once saw it finish first). Slurm still has to end the stopped steps once the supervisor is gone.
+    frozen = ranks()
+    for rank in frozen:
+        rank.suspend()
+    assert frozen and not [e for e in run.events() if e["event"] in ("attempt.ended", "run.finished")]
+    killed = time.time()
+    supervisor.kill()
 
     wait_until(lambda: squeue(cluster, job) == "" and not ranks_alive(), 120, "the job and its ranks to end")
     print(f"supervisor SIGKILL -> job and ranks gone: {time.time() - killed:.1f} s")

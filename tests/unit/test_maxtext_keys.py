@@ -1,0 +1,88 @@
+"""trainer.overrides against MaxText's own config, before anything starts (maxtext_keys.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rkit import maxtext_keys
+from rkit.errors import RecipeError
+from rkit.recipe import load_recipe, parse_recipe
+
+from ..conftest import REPO, TINY, rkit
+
+KEYS = {"learning_rate": ["number"], "steps": ["integer"], "enable_dropout": ["boolean"],
+        "dataset_type": {"enum": ["synthetic", "hf"], "null": False}, "run_name": ["string"],
+        "tokenizer_path": ["string", "null"], "logical_axis_rules": None}
+
+
+def test_an_unknown_key_names_the_closest_known_ones():
+    [p] = maxtext_keys.problems({"learning_rat": 1e-4}, KEYS, "MaxText 0.2.5")
+    assert p.path == "trainer.overrides.learning_rat"
+    assert "no key 'learning_rat' (MaxText 0.2.5)" in p.message and "Did you mean 'learning_rate'?" in p.message
+    [far] = maxtext_keys.problems({"zzzz": 1}, KEYS, "here")
+    assert "Did you mean" not in far.message
+
+
+@pytest.mark.parametrize("key,value", [("learning_rate", "abc"), ("learning_rate", [1]), ("steps", 2.5),
+                                       ("steps", "ten"), ("enable_dropout", "maybe"), ("dataset_type", "tf"),
+                                       ("run_name", {"a": 1})])
+def test_a_value_of_the_wrong_simple_type_is_refused(key, value):
+    [p] = maxtext_keys.problems({key: value}, KEYS, "here")
+    assert p.path == f"trainer.overrides.{key}" and "which MaxText's config declares for it" in p.message
+
+
+@pytest.mark.parametrize("key,value", [("learning_rate", "1e-4"), ("learning_rate", 3), ("steps", "10"),
+                                       ("steps", 4.0), ("enable_dropout", "false"), ("enable_dropout", True),
+                                       ("dataset_type", "hf"), ("tokenizer_path", "none"), ("run_name", 12),
+                                       ("logical_axis_rules", [["a", "b"]])])
+def test_values_maxtext_takes_from_its_command_line_pass(key, value):
+    # MaxText parses each key=value, then pydantic coerces in lax mode: "1e-4" is a number, "10" an integer.
+    assert maxtext_keys.problems({key: value}, KEYS, "here") == []
+
+
+def test_every_shipped_recipe_passes_the_host_maxtext():
+    found = maxtext_keys.host_keys()
+    assert len(found["keys"]) > 500 and found["keys"]["learning_rate"] == ["number"]
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        overrides = load_recipe(path).config.trainer.overrides or {}
+        assert maxtext_keys.problems(overrides, found["keys"], "host") == [], path
+
+
+def test_a_misspelled_key_in_the_recipe_file_is_named_at_its_line():
+    text = TINY.read_text().replace("    vocab_size: 256\n", "    vocab_sise: 256\n")
+    line = text.splitlines().index("    vocab_sise: 256") + 1
+    recipe = parse_recipe("mine.yaml", text)
+    with pytest.raises(RecipeError) as err:
+        maxtext_keys.check(recipe, None)
+    assert f"mine.yaml:{line}: trainer.overrides.vocab_sise: MaxText has no key 'vocab_sise'" in str(err.value)
+    assert "Did you mean 'vocab_size'?" in str(err.value)
+
+
+def test_validate_and_dry_run_refuse_a_misspelled_override_before_anything_starts(tmp_path):
+    maxtext_keys.host_keys()  # the first read of MaxText's config (imports, 3 s) is memoised
+    for command in (["validate"], ["run", "--dry-run"]):
+        started = time.monotonic()
+        done = rkit(*command, str(TINY), "-o", f"runs_dir={tmp_path}", "-o", "trainer.overrides.learning_rat=1e-4",
+                    cwd=tmp_path, check=2)
+        assert time.monotonic() - started < 10
+        assert "trainer.overrides.learning_rat: MaxText has no key 'learning_rat'" in done.stderr
+        assert "Did you mean 'learning_rate'?" in done.stderr
+        assert "(from -o trainer.overrides.learning_rat=1e-4)" in done.stderr and "Traceback" not in done.stderr
+    assert not any(tmp_path.iterdir())  # nothing was created
+
+
+def test_an_o_mistake_is_named_at_the_option_not_at_a_recipe_line():
+    done = rkit("validate", str(TINY), "-o", "checkpoint.period=abc", check=2)
+    # No line: the recipe's own line for the key says `period: 10`, not what was refused.
+    assert f"  {TINY}: checkpoint.period: 'abc' is a string; expected integer. (from -o checkpoint.period=abc)" \
+        in done.stderr
+
+
+def test_the_already_exists_hint_repeats_the_users_own_options(tmp_path):
+    (tmp_path / "tiny-cpu").mkdir()
+    (tmp_path / "tiny-cpu" / "resolved.json").write_text("{}")
+    done = rkit("run", str(TINY), "-o", f"runs_dir={tmp_path}", "-o", "trainer.steps=7", cwd=tmp_path, check=2)
+    assert f"rkit run {TINY} -o runs_dir={tmp_path} -o trainer.steps=7 --resume" in done.stderr
+    assert f"rkit run {TINY} -o runs_dir={tmp_path} -o trainer.steps=7 -o name=NEW" in done.stderr
