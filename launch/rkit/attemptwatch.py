@@ -5,12 +5,13 @@ full, a checkpoint that could not be restored, a coordinator port in use)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import preflight
+from .oomkills import OomWatch
 from .policy import Progress
-from .ranklogs import LogScan, last_error_lines
+from .ranklogs import OUT_OF_MEMORY, LogScan, last_error_lines, rank_error
 from .rundir import EV, filesystem
 from .telemetry.metrics import MetricsTail
 from .telemetry.stragglers import StragglerWatch
@@ -35,6 +36,7 @@ class AttemptWatch:
     progress: Progress
     resumed_from: int | None = None
     first_step_seen: bool = False
+    oom: OomWatch = field(default_factory=OomWatch)  # the OOM-kill counters at the attempt's start
 
     def __post_init__(self) -> None:
         sup = self.sup
@@ -72,6 +74,15 @@ class AttemptWatch:
         line, log = hit
         lines = last_error_lines(log) or [line]
         return f"{log.name}: " + " | ".join(lines)
+
+    def failure(self, rank: int, returncode: int) -> tuple[str | None, str | None]:
+        """A failed rank's own last error line, and whether (and how it was seen that) it ran out of memory: the
+        OOM killer in its cgroup since the attempt began (a SIGKILL), or its own words (MemoryError, XLA's)."""
+        said = rank_error(self.sup.run.rank_log(self.attempt, rank))
+        oom = self.oom.killed() if returncode == -9 else None
+        if oom is None and said is not None and OUT_OF_MEMORY.search(said):
+            oom = "its log says so"
+        return said, oom
 
     def jax_peer_lost(self, force: bool) -> str | None:
         """A rank's log line saying JAX's coordination service declared a process dead."""

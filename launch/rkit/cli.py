@@ -52,7 +52,6 @@ def main() -> None:
 def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Check RECIPE against the schema; report every problem with its key and line."""
     from .recipe import load_recipe
-
     from .runner import validate_maxtext_keys
 
     try:
@@ -78,8 +77,8 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @overrides_option
 @click.option("--resume", is_flag=True, help="Continue an existing run of the same name and config.")
 @click.option("--inject", "injects", multiple=True, metavar="SPEC",
-              help="Inject a fault: kill:rank=R,step=S | exit:rank=R,step=S,code=C | sigterm:step=S "
-                   "(add ,repeat=true to fire every attempt).")
+              help="Inject a fault: kill:rank=R,step=S | exit:rank=R,step=S[,code=C] | hang:rank=R,step=S "
+                   "| sigterm:step=S (add ,repeat=true to fire every attempt).")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 @click.option("--wait", is_flag=True, help="launcher: slurm: follow the job until the run ends.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script (Slurm) or each rank's command line and "
@@ -141,7 +140,7 @@ def cancel(run_dir: Path) -> None:
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--rank", type=int, default=0, show_default=True)
+@click.option("--rank", type=int, default=0, show_default=True, help="Whose log: the process's rank (from 0).")
 @click.option("--attempt", type=int, default=None, help="Default: the newest.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
 def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
@@ -283,8 +282,8 @@ def status(run_dir: Path, as_json: bool, watch: bool) -> None:
 @click.argument("runs_dir", type=click.Path(path_type=Path), default=Path("runs"), required=False)
 @json_option
 def ls_command(runs_dir: Path, as_json: bool) -> None:
-    """One line per run in RUNS_DIR (default: runs): name, state, step/total, loss, config hash and image digest
-    prefixes, launcher, Slurm job id, time since its last event. `rkit status RUN` tells the rest."""
+    """One line per run in RUNS_DIR (default: runs): name, state, last step (MaxText's, from 0) and steps done,
+    loss, config hash and image digest prefixes, launcher, Slurm job id, time since its last event."""
     from . import listing
 
     rows = [listing.row(run) for run in listing.runs_in(runs_dir)]
@@ -296,7 +295,8 @@ def ls_command(runs_dir: Path, as_json: bool) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Directory to write into "
               "(default: RUN/report).")
 def report_command(run_dir: Path, out: Path | None) -> None:
-    """Plots (loss, tokens/s, step time, goodput) and a one-page summary.md / summary.html of RUN."""
+    """Plots (loss, tokens/s, step time against the step and against wall-clock time; goodput) and a one-page
+    summary.md / summary.html of RUN."""
     from .report import write_report
     from .rundir import RunDir
 
@@ -336,10 +336,11 @@ def metrics_serve(run_dir: Path, interface: str, port: int, tls_cert: str | None
 def diff(a: Path, b: Path, as_json: bool) -> None:
     """Differences between two runs' inputs (or two manifest files), grouped; exit 1 when they differ.
     `rkit compare` compares what the runs came out as."""
+    from .display import readable_times
     from .manifest import diff_sources, render_diff
 
     result = diff_sources(a, b)
-    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_diff(result))
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_diff(readable_times(result)))
     sys.exit(0 if result["identical"] else 1)
 
 
@@ -463,8 +464,8 @@ def bench_gate(recipe: Path, baseline: tuple[str, ...], candidate: tuple[str, ..
               help="PNG to write (default: bench-history-METRIC.png).")
 @storage_option
 def bench_history(globs: tuple[str, ...], metric: str, out: Path | None, storage: Path) -> None:
-    """A PNG of METRIC across the saved results (or those matching GLOBS): one point per result with its
-    interval, labelled by number and image digest prefix."""
+    """A PNG and a table of METRIC (step time in ms, tokens/s per device, host RSS in MiB) across the saved results
+    (or those matching GLOBS): one point per result with its interval, labelled by number, name and image."""
     from . import bench as benches
 
     points = benches.history_points(benches.storage(storage), metric, globs)
@@ -472,9 +473,7 @@ def bench_history(globs: tuple[str, ...], metric: str, out: Path | None, storage
         raise RkitError(f"{storage}: no saved rkit bench results; save one with: rkit bench run RECIPE")
     out = out or Path(f"bench-history-{metric}.png")
     benches.plot_history(points, metric, out)
-    for p in points:
-        click.echo(f"{p['label']}  {p['median']:.6g} [{p['interval'][0]:.6g}, {p['interval'][1]:.6g}]  {p['file']}")
-    click.echo(f"rkit bench: wrote {out}")
+    click.echo(f"{benches.render_history(points, metric)}\nrkit bench: wrote {out}")
 
 
 if __name__ == "__main__":

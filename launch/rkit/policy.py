@@ -57,6 +57,8 @@ class Cause(enum.Enum):
     DISK_FULL = "disk_full"          # a write failed for space (a checkpoint save): no restart into a full disk
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the step resumed from could not be restored: quarantined
     PORT_IN_USE = "port_in_use"      # jax.distributed's coordinator could not listen: the next attempt gets another
+    OUT_OF_MEMORY = "out_of_memory"  # a rank ran out of memory (the OOM killer in its cgroup, or its own words):
+                                     # the same config would again; not retried
     STEP_FAILED = "step_failed"      # the launcher could not start the ranks (Slurm refused the step, a node did
                                      # not take its tasks, the step ended before any rank's agent began)
 
@@ -171,6 +173,11 @@ def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bo
         return Decision(Action.STOP, "stopped by the user; resume with `rkit run RECIPE --resume`"), tally
     if outcome.cause is Cause.LAUNCH_ERROR:
         return Decision(Action.GIVE_UP, f"the processes could not be started: {outcome.detail}"), tally
+    if outcome.cause is Cause.OUT_OF_MEMORY:
+        return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt with the same config would run out the "
+                                        "same way: give the job more memory (a larger cap, slurm --mem) and continue "
+                                        "with `rkit run RECIPE --resume`, or start a new run (-o name=NEW) with a "
+                                        "smaller trainer.overrides.per_device_batch_size"), tally
     if outcome.cause is Cause.DISK_FULL:
         return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt would fail the same way: free space "
                                         "(or raise the quota), then continue with `rkit run RECIPE --resume`"), tally
@@ -248,6 +255,8 @@ class Observation:
     hang: Hang | None = None
     disk_full: str | None = None  # a rank's log line saying a write failed for space, with the file system
     restore_failed: str | None = None  # before the first step of a resumed attempt: the rank's restore errors
+    rank_error: str | None = None  # the first failed rank's own last error line (its log)
+    out_of_memory: str | None = None  # the first failed rank ran out of memory: where and how it was seen
     port_in_use: str | None = None  # before the first step: rank 0's log says the coordinator could not listen
     resumed_from: int | None = None
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
@@ -276,6 +285,7 @@ class Ending:
     nodes: tuple[str, ...] = ()
     requeue: bool = False  # the allocation cannot go on (a node failure Slurm ended the job for, a preemption)
     exclude: tuple[str, ...] = ()  # nodes to keep out of every later attempt
+    error: str | None = None  # the failed rank's own words (ranklogs.rank_error)
 
 
 def _fmt(step: int | None) -> str:
@@ -334,9 +344,14 @@ def classify(obs: Observation) -> Ending | None:
             return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} (rank {first.rank} lost at step "
                                            f"{_fmt(last)})", Stop.NOW, rank=first.rank, code=first.returncode,
                           step=last, nodes=lost, exclude=lost)
+        said = f": {obs.rank_error}" if obs.rank_error else ""
+        if obs.out_of_memory:
+            return Ending(Cause.OUT_OF_MEMORY, f"out of memory: rank {first.rank} {first.describe()} at step "
+                                               f"{_fmt(last)}: {obs.out_of_memory}", Stop.NOW, rank=first.rank,
+                          code=first.returncode, step=last, error=obs.rank_error)
         cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
-        return Ending(cause, f"rank {first.rank} {first.describe()} at step {_fmt(last)}", Stop.NOW,
-                      rank=first.rank, code=first.returncode, step=last)
+        return Ending(cause, f"rank {first.rank} {first.describe()} at step {_fmt(last)}{said}", Stop.NOW,
+                      rank=first.rank, code=first.returncode, step=last, error=obs.rank_error)
     if len(obs.exits) >= obs.processes:
         if obs.final_committed:
             return Ending(Cause.COMPLETED, "", Stop.NONE, step=obs.step)

@@ -110,3 +110,52 @@ def last_error_lines(path: Path, lines: int = 5, tail_bytes: int = 65536) -> lis
     hits = [line.strip() for line in text.splitlines()
             if re.search(r"Error|Exception|RESOURCE_EXHAUSTED|DATA_LOSS|NOT_FOUND|Traceback|^E\d{4} ", line)]
     return [h[:300] for h in hits[-lines:]]
+
+
+# The last line of a Python traceback: `ValueError: ...`, `jax.errors.JaxRuntimeError: ...`, `KeyboardInterrupt`.
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Fault)"
+                            r"(?::\s.*)?$")
+LOG_LINE = re.compile(r"^[IWEF]\d{4} |^\d{4}-\d\d-\d\d[ T]")  # absl/glog's, or a timestamped logger's
+# Lines a rank's own runtime prints on a fatal error when no Python exception does: absl/glog fatal and error
+# lines (XLA, gRPC, TensorStore), Orbax's and XLA's RESOURCE_EXHAUSTED / DATA_LOSS.
+RUNTIME_ERROR = re.compile(r"^[FE]\d{4} |Check failed|RESOURCE_EXHAUSTED|DATA_LOSS|INTERNAL:|Segmentation fault|"
+                           r"Fatal Python error")
+# Out of memory in the rank's own words: Python's MemoryError, XLA's allocator (host or device), the C++ runtime.
+OUT_OF_MEMORY = re.compile(r"\bMemoryError\b|RESOURCE_EXHAUSTED: Out of memory|[Oo]ut of memory (?:while|trying)"
+                           r"|std::bad_alloc|Cannot allocate memory|hipErrorOutOfMemory|CUDA_ERROR_OUT_OF_MEMORY")
+
+
+def rank_error(path: Path, tail_bytes: int = 65536) -> str | None:
+    """A failed rank's own words for why it failed: the last Python exception line after a traceback (MaxText's
+    `ValueError: 'learning_rat' not in ...`), else the last fatal/error line of its runtime (XLA, gRPC, Orbax);
+    None when its log says nothing of the kind. Credentials in URLs are masked."""
+    from .stamp import REDACTED, redact_value
+
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in text.splitlines()]
+    found = None
+    traceback_at = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last")),
+                       default=None)
+    if traceback_at is not None:
+        at = next((i for i in range(traceback_at + 1, len(lines)) if EXCEPTION_LINE.match(lines[i])), None)
+        if at is not None:
+            # A message on several lines (pydantic's "1 validation error for MaxTextConfig", then the key and
+            # why): up to two more, up to the next log line.
+            more = []
+            for line in lines[at + 1:at + 4]:
+                if not line or LOG_LINE.match(line) or line.startswith(("Traceback", "For further information")):
+                    break
+                more.append(line)
+            found = " | ".join([lines[at], *more[:2]])
+    if found is None:
+        found = next((line for line in reversed(lines) if RUNTIME_ERROR.search(line)
+                      or OUT_OF_MEMORY.search(line)), None)
+    if found is None:
+        return None
+    return redact_value(found, REDACTED)[:400]

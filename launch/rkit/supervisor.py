@@ -23,6 +23,7 @@ from .backends.base import Backend, Handle, NotEnoughNodes, RankExit, Request
 from .config import Config
 from .image import ImageIdentity
 from .inject import Injection, pending
+from .oomkills import OomWatch
 from .policy import (
     FINAL_EVENTS,
     Action,
@@ -221,7 +222,8 @@ class Supervisor:
             write_json_atomic(self.run.attempt_record(attempt), info)
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                           nodes=info["nodes"], processes=self.processes, injections=info["injections"])
-            watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before)
+            watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
+                                 oom=OomWatch.of(list(info["pids"].values())))
             if self.backend.liveness is not None:
                 self.backend.liveness.watch(attempt, info["nodes"], self.config.resources.processes_per_node)
             ending = self._watch(handle, attempt, watch, info["nodes"], sigterm_at)
@@ -240,7 +242,7 @@ class Supervisor:
                 ending.step is None or committed_after >= ending.step)
             self.run.emit(EV.PREEMPT_SAVED if saved else EV.PREEMPT_UNSAVED, attempt=attempt,
                           committed_step=committed_after, requested_at_step=ending.step, step=progress.step)
-        info.update({"ended": time.time(), "cause": ending.cause.value, "detail": ending.detail,
+        info.update({"ended": time.time(), "cause": ending.cause.value, "detail": ending.detail, "error": ending.error,
                      "committed_step": committed_after,
                      "exits": {str(r): e.as_record() for r, e in sorted(handle.exits.items())}})
         write_json_atomic(self.run.attempt_record(attempt), info)
@@ -291,9 +293,12 @@ class Supervisor:
 
     def _observe(self, handle: Handle, watch: AttemptWatch, exits: dict[int, RankExit],
                  sigterm_at: Injection | None, dead: dict[str, str]) -> Observation:
-        failed = any(e.returncode != 0 for e in exits.values())
+        first = next((e for e in exits.values() if e.returncode != 0), None)
+        failed = first is not None
+        said, oom = None, None
         if failed:
             watch.read()  # a failed rank's last lines may have landed after this round's read
+            said, oom = watch.failure(first.rank, first.returncode)
         step = watch.progress.step
         hang = None if failed else watch.hang.check(self.clock())
         everyone_exited = len(exits) >= self.processes
@@ -307,6 +312,7 @@ class Supervisor:
                             and step >= sigterm_at.step else None),
             hang=hang, disk_full=watch.disk_full(force=failed or hang is not None),
             restore_failed=watch.restore_failed(force=failed or hang is not None), resumed_from=watch.resumed_from,
+            rank_error=said, out_of_memory=oom,
             port_in_use=watch.port_in_use(force=failed),
             stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
             final_step=self.config.trainer.final_step,
@@ -315,7 +321,8 @@ class Supervisor:
     def _end(self, ending: Ending, observed: Observation, handle: Handle, attempt: int, nodes: list[str],
              sigterm_at: Injection | None) -> float | None:
         """Record how the attempt ends and end its processes that way; a save returns its SIGKILL deadline."""
-        if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL, Cause.STEP_FAILED):
+        if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL, Cause.STEP_FAILED,
+                            Cause.OUT_OF_MEMORY):
             first = handle.exits.get(ending.rank) if ending.rank is not None else None
             detected = self._detection(ending, observed)
             self.run.emit(EV.ATTEMPT_FAILED, attempt=attempt, cls=ending.cause.value, rank=ending.rank,
@@ -324,7 +331,8 @@ class Supervisor:
                           last_step=ending.step,
                           node=first.node if first and first.node else
                           (ending.nodes[0] if first is None and ending.nodes else nodes[0]),
-                          lost_nodes=list(ending.nodes), **detected)
+                          lost_nodes=list(ending.nodes), **({"error": ending.error} if ending.error else {}),
+                          **detected)
             handle.failed_nodes.extend(n for n in ending.nodes if n not in handle.failed_nodes)
         if ending.stop is Stop.NOW:
             self.backend.stop(handle, grace=0)

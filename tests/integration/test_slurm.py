@@ -188,32 +188,28 @@ def test_supervisor_sigkill_ends_the_job_and_its_steps_and_resume_finishes(clust
     # steps with it. No rank trains on unsupervised; `--resume` submits a new job that records the attempt lost.
     import psutil
 
-    run = submit(cluster, slurm_workspace, "supkill", cpu_image)
+    # Rank 1 stops itself at step 15 (hang detection off; JAX's heartbeat timeout above the wait), so the kill
+    # lands mid-run: the 40-step run takes about a second once it trains, faster than the test can look.
+    run = submit(cluster, slurm_workspace, "supkill", cpu_image, "--inject", "hang:rank=1,step=15",
+                 "-o", "resilience.hang_timeout=null", "-o", "resilience.node_silence_seconds=60")
     job = job_of(run)
     argv_end = ["supervise", str(run.path.resolve())]
     supervisor = wait_until(lambda: next((p for p in psutil.process_iter(["cmdline"])
                                           if (p.info["cmdline"] or [])[-2:] == argv_end), None),
                             600, "the supervisor process")
 
-    def ranks() -> list[psutil.Process]:
+    def ranks(state: str | None = None) -> list[int]:
         mark = f"base_output_directory={run.path.resolve()}"
-        return [p for p in psutil.process_iter(["cmdline", "status"])
-                if p.info["status"] != psutil.STATUS_ZOMBIE and mark in (p.info["cmdline"] or [])]
+        return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+                if p.info["status"] != psutil.STATUS_ZOMBIE and mark in (p.info["cmdline"] or [])
+                and state in (None, p.info["status"])]
 
-    def ranks_alive() -> list[int]:
-        return [p.pid for p in ranks()]
-
-    wait_until(lambda: len(merged(run, 0)) >= 15, 600, "step 15")
-    # Both ranks are stopped before the kill, so the 40-step run cannot finish in between on a loaded machine
-    # (CI once saw it finish first). Slurm still has to end the stopped steps once the supervisor is gone.
-    frozen = ranks()
-    for rank in frozen:
-        rank.suspend()
-    assert frozen and not [e for e in run.events() if e["event"] in ("attempt.ended", "run.finished")]
+    wait_until(lambda: ranks(psutil.STATUS_STOPPED), 600, "rank 1 stopped at step 15")
+    assert not [e for e in run.events() if e["event"] in ("attempt.ended", "run.finished")]
     killed = time.time()
     supervisor.kill()
 
-    wait_until(lambda: squeue(cluster, job) == "" and not ranks_alive(), 120, "the job and its ranks to end")
+    wait_until(lambda: squeue(cluster, job) == "" and not ranks(), 120, "the job and its ranks to end")
     print(f"supervisor SIGKILL -> job and ranks gone: {time.time() - killed:.1f} s")
     s = status(cluster, run)
     assert s["state"] == "stopped" and [a["cause"] for a in s["attempts"]] == ["lost"]

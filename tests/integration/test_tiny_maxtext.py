@@ -435,13 +435,16 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_finishes(workspace: Path, ba
     if damage == "data_file":  # one data file lost: only the restore itself can tell
         victim = max((step20 / "items" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
         victim.unlink()
-    else:  # the commit markers lost: rkit and MaxText must agree that the step is not there
+    else:  # the commit markers lost: rkit and MaxText must agree that the step is not there; and step 10's
+        # tree metadata emptied (Orbax then fails the restore with a bare exit 1): both moved aside, step 0 used
         (step20 / "_CHECKPOINT_METADATA").unlink()
         (step20 / "commit_success.txt").unlink(missing_ok=True)
+        (run.orbax_dir / "10" / "items" / "_METADATA").write_text("")
     resumed = time.time()
     rkit("run", str(TINY), "-o", f"name={name}", *SHORT, *budget, "--resume", cwd=workspace, env=ENV, check=0)
     quarantined = events(run, "checkpoint.quarantined")
-    assert [q["step"] for q in quarantined] == [20] and (run.checkpoints / "quarantine" / "20").is_dir()
+    assert [q["step"] for q in quarantined] == ([20] if damage == "data_file" else [20, 10])
+    assert (run.checkpoints / "quarantine" / "20").is_dir()
     ended = events(run, "attempt.ended")
     if damage == "data_file":
         assert [e["cause"] for e in ended] == ["task_exit", "corrupt_checkpoint", "completed"]
@@ -450,9 +453,62 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_finishes(workspace: Path, ba
     else:
         assert [e["cause"] for e in ended] == ["task_exit", "completed"]
         assert "no commit marker" in quarantined[0]["reason"]
+        assert quarantined[1]["reason"] == "items/_METADATA is not readable JSON (emptied or cut)"
     starts = [e["resume_from_step"] for e in events(run, "attempt.started")]
-    assert starts[-1] == 10
+    assert starts[-1] == (10 if damage == "data_file" else 0)
     assert final_loss(run) == final_loss(baseline)
+
+
+def test_a_failing_ranks_own_error_is_in_status_and_the_events(workspace: Path):
+    # A value MaxText's config refuses at start-up (a list key given a word: not one of the simple types rkit
+    # checks first). The ranks' own ValidationError is the diagnosis, not "exited with code 1".
+    run = run_tiny(workspace, "own-words", "-o", "trainer.overrides.ici_parallelism=abc",
+                   "-o", "resilience.max_restarts=0", expect=1)
+    [failed] = events(run, "attempt.failed")
+    assert "ValidationError" in failed["error"] and "ici_parallelism" in failed["error"]
+    s = status_json(run)
+    assert s["state"] == "gave up" and failed["error"] in s["reason"] and failed["error"] in s["attempts"][0]["detail"]
+    text = rkit("status", str(run.path), check=0).stdout
+    assert "Input should be a valid list" in text
+
+
+def memory_capped_cgroup(limit: int) -> Path:
+    """A child of this process's memory cgroup with a memory limit (v1 or v2); skips where none can be made."""
+    from rkit import oomkills
+
+    own = oomkills.memory_cgroup(os.getpid())
+    if own is None:
+        pytest.skip("no memory cgroup controller here")
+    child = own / f"rkit-oom-test-{os.getpid()}"
+    try:
+        child.mkdir(exist_ok=True)
+        limit_file = child / ("memory.limit_in_bytes" if (child / "memory.limit_in_bytes").exists() else "memory.max")
+        limit_file.write_text(str(limit))
+    except OSError as exc:
+        pytest.skip(f"cannot make a memory-capped cgroup under {own}: {exc}")
+    return child
+
+
+def test_a_rank_killed_for_memory_is_out_of_memory_with_its_limit_and_not_retried(workspace: Path):
+    # `rkit run` and its ranks in a cgroup capped at 700 MiB, no swap: a rank's JAX and MaxText outgrow it during
+    # start-up and the kernel's OOM killer takes it (the largest process). Not a crash loop, not three attempts.
+    cgroup = memory_capped_cgroup(700 << 20)
+    try:
+        done = subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(TINY), "-o", "name=oom", *SHORT,
+                               "-o", "resilience.max_restarts=5"], cwd=workspace, env={**os.environ, **ENV},
+                              capture_output=True, text=True, timeout=900, check=False,
+                              preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+    finally:
+        wait_until(lambda: not (cgroup / "cgroup.procs").read_text().strip(), 60, "the cgroup to empty")
+        cgroup.rmdir()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    run = RunDir(workspace / "runs" / "oom")
+    ended = events(run, "attempt.ended")
+    assert [e["cause"] for e in ended] == ["out_of_memory"]
+    assert "the kernel's OOM killer killed" in ended[0]["detail"] and "memory limit 0.68 GiB" in ended[0]["detail"]
+    assert "killed by SIGKILL" in ended[0]["detail"]
+    s = status_json(run)
+    assert s["state"] == "gave up" and "would run out the same way" in s["reason"]
 
 
 def test_hang_is_detected_dumped_and_replaced(workspace: Path, baseline: RunDir):

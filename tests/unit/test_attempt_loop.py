@@ -132,6 +132,12 @@ class FakeBackend:
             step = handle.step[rank]
             if rank == 0 and (code := self.script.at("exit", handle.attempt, step)):
                 handle.exits[rank] = RankExit(rank, code[0], "n1")
+            elif rank == 1 and (said := self.script.at("raise", handle.attempt, step)):
+                log = self.run.rank_log(handle.attempt, 1)  # the rank's own traceback, then exit 1
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text("I1201 step\nTraceback (most recent call last):\n  File \"train.py\", line 9\n"
+                               f"{said[0]}\nE1201 later noise\n")
+                handle.exits[rank] = RankExit(rank, 1, "n2")
             elif rank == 1 and self.script.at("kill", handle.attempt, step):
                 handle.exits[rank] = RankExit(rank, -signal.SIGKILL, "n2")
             elif rank == 1 and self.script.at("node", handle.attempt, step):
@@ -516,6 +522,8 @@ def test_orbax_files_that_a_restore_needs_are_checked(tmp_path):
     assert step_problem(step) == "items/ocdbt.process_0/d holds no data files"
     (proc / "manifest.ocdbt").unlink()
     assert step_problem(step) == "items/ocdbt.process_0/manifest.ocdbt is missing"
+    (step / "items" / "_METADATA").write_text("")
+    assert step_problem(step) == "items/_METADATA is not readable JSON (emptied or cut)"
     (step / "items" / "_METADATA").unlink()
     assert step_problem(step) == "items/_METADATA is missing"
     (step / "_CHECKPOINT_METADATA").write_text("{cut")
@@ -530,3 +538,27 @@ def test_a_coordinator_port_in_use_is_infrastructure_and_the_next_attempt_finish
     assert "coordinator could not listen: rank-0.log: E1201 add_port.cc:83] Failed to add port" in ended[0]["detail"]
     assert ended[0]["decision"] == "restart" and ended[0]["tally"]["infra_failures"] == 1
     assert ended[0]["tally"]["training_failures"] == 0
+
+
+def test_a_failed_ranks_own_error_is_in_the_ending_the_event_and_the_crash_loop(tmp_path):
+    error = "ValueError: 'learning_rat' not in 'learning_rate', 'steps'."
+    sup, _ = make(tmp_path, Script(**{"raise": (None, 6, error)}), "resilience.crash_loop_limit=2")
+    assert sup.run_to_end() is RunState.GAVE_UP
+    failed = events(sup.run, EV.ATTEMPT_FAILED)
+    assert [f["error"] for f in failed] == [error, error] and failed[0]["rank"] == 1
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert ended[0]["detail"] == f"rank 1 exited with code 1 at step 6: {error}"
+    reason = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
+    assert reason.startswith("crash loop") and error in reason
+    assert json.loads(sup.run.attempt_record(1).read_text())["error"] == error
+
+
+def test_a_rank_out_of_memory_is_named_and_not_retried(tmp_path):
+    error = "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.0G"
+    sup, _ = make(tmp_path, Script(**{"raise": (None, 6, error)}), "resilience.max_restarts=5")
+    assert sup.run_to_end() is RunState.GAVE_UP
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert [e["cause"] for e in ended] == ["out_of_memory"]  # one attempt: the same config runs out again
+    assert ended[0]["detail"].startswith("out of memory: rank 1 exited with code 1 at step 6: its log says so")
+    reason = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
+    assert "would run out the same way" in reason and "per_device_batch_size" in reason

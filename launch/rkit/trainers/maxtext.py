@@ -128,6 +128,12 @@ def step_problem(path: Path) -> str | None:
             return f"item {item!r} is missing"
         if not (item_dir / "_METADATA").is_file():
             return f"{item}/_METADATA is missing"
+        try:  # Orbax's tree metadata, JSON: an emptied or cut one fails the restore with a bare exit 1
+            tree = json.loads((item_dir / "_METADATA").read_bytes())
+        except (OSError, ValueError):
+            tree = None
+        if not isinstance(tree, dict):
+            return f"{item}/_METADATA is not readable JSON (emptied or cut)"
         if (item_dir / "manifest.ocdbt").is_file():
             for proc in sorted(item_dir.glob("ocdbt.process_*")):
                 if not (proc / "manifest.ocdbt").is_file():

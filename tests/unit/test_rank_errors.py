@@ -1,0 +1,86 @@
+"""A failed rank's own words (ranklogs.rank_error) and the OOM killer's count in its cgroup (oomkills.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rkit import oomkills
+from rkit.ranklogs import rank_error
+
+
+def log(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "rank-1.log"
+    path.write_text(text)
+    return path
+
+
+def test_the_last_traceback_gives_the_exception_line(tmp_path):
+    text = ("I1201 starting\nTraceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n"
+            "KeyError: 'old'\n\nTraceback (most recent call last):\n  File \"pyconfig.py\", line 271\n"
+            "    raise ValueError(...)\n"
+            "ValueError: 'learning_rat' not in 'learning_rate', 'steps'.\nE1201 00:00 client.cc:1] shutdown\n")
+    assert rank_error(log(tmp_path, text)) == "ValueError: 'learning_rat' not in 'learning_rate', 'steps'."
+
+
+def test_a_message_on_several_lines_keeps_its_first_lines(tmp_path):
+    text = ("Traceback (most recent call last):\n  File \"pyconfig.py\"\n"
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for MaxTextConfig\n"
+            "ici_parallelism\n  Input should be a valid list [type=list_type, input_value='abc', input_type=str]\n"
+            "    For further information visit https://errors.pydantic.dev/2.11/v/list_type\nI1201 exiting\n")
+    assert rank_error(log(tmp_path, text)) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for MaxTextConfig | ici_parallelism | "
+        "Input should be a valid list [type=list_type, input_value='abc', input_type=str]")
+
+
+def test_a_dotted_exception_and_a_runtime_line_without_a_traceback(tmp_path):
+    dotted = "Traceback (most recent call last):\n  x\njax.errors.JaxRuntimeError: INTERNAL: boom\n"
+    assert rank_error(log(tmp_path, dotted)) == "jax.errors.JaxRuntimeError: INTERNAL: boom"
+    fatal = "I1201 fine\nF1201 12:00:00.1 1 pjrt.cc:9] Check failed: buffer != nullptr\nI1201 dying\n"
+    assert rank_error(log(tmp_path, fatal)) == "F1201 12:00:00.1 1 pjrt.cc:9] Check failed: buffer != nullptr"
+    assert rank_error(log(tmp_path, "I1201 all fine\nstep 3\n")) is None
+    assert rank_error(tmp_path / "missing.log") is None
+
+
+def test_credentials_in_the_error_are_masked(tmp_path):
+    text = "Traceback (most recent call last):\nOSError: cannot open gs://alice:hunter2@bucket/data\n"
+    said = rank_error(log(tmp_path, text))
+    assert "hunter2" not in said and said.startswith("OSError: cannot open gs://alice:")
+
+
+def fake_cgroup(tmp_path: Path, version: int, kills: int, limit: str) -> Path:
+    """A memory cgroup tree at tmp_path that holds this process's own cgroup path, as /proc/self/cgroup says."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    memory = next((ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":", 2)[1].split(",")), None)
+    unified = next((ln.split(":", 2)[2] for ln in lines if ln.split(":", 2)[1] == ""), "/")
+    if version == 1 and memory is not None:
+        cg = tmp_path / "memory" / memory.lstrip("/")
+        cg.mkdir(parents=True, exist_ok=True)
+        (cg / "memory.oom_control").write_text(f"oom_kill_disable 0\nunder_oom 0\noom_kill {kills}\n")
+        (cg / "memory.limit_in_bytes").write_text(limit)
+    else:
+        cg = tmp_path / unified.lstrip("/")
+        cg.mkdir(parents=True, exist_ok=True)
+        (cg / "memory.events").write_text(f"low 0\nhigh 0\nmax 9\noom 2\noom_kill {kills}\n")
+        (cg / "memory.max").write_text(limit)
+    return cg
+
+
+def test_oom_kills_since_the_start_are_reported_with_the_limit(tmp_path):
+    for version, limit in ((1, str(3 << 29)), (2, str(3 << 29))):
+        root = tmp_path / f"v{version}"
+        cg = fake_cgroup(root, version, 4, limit)
+        assert oomkills.memory_cgroup(os.getpid(), root) == cg
+        watch = oomkills.OomWatch({cg: oomkills.oom_kills(cg)})
+        assert watch.killed() is None
+        fake_cgroup(root, version, 6, limit)
+        assert watch.killed() == (f"the kernel's OOM killer killed 2 process(es) in memory cgroup {cg} "
+                                  "(memory limit 1.50 GiB)")
+    unlimited = fake_cgroup(tmp_path / "max", 2, 0, "max")
+    assert oomkills.memory_limit(unlimited) is None
+
+
+def test_no_memory_controller_says_nothing(tmp_path):
+    assert oomkills.memory_cgroup(os.getpid(), tmp_path) is None
+    assert oomkills.oom_kills(tmp_path) is None and oomkills.memory_limit(tmp_path) is None
+    assert oomkills.OomWatch({}).killed() is None
