@@ -282,3 +282,34 @@ def safe_check(recipe: Recipe, image: ImageIdentity | None) -> str | None:
         raise
     except (RkitError, OSError) as exc:
         return f"note: trainer.overrides not checked against MaxText: {exc}"
+
+
+# ---------------------------------------------------------------- what MaxText derives from trainer.steps
+
+
+def schedule_steps(resolved: dict) -> int | None:
+    """The length of MaxText's learning-rate schedule for a resolved recipe: learning_rate_schedule_steps where
+    set (and not -1), else trainer.steps, which MaxText's schedule then follows (warm-up and decay stretch
+    with it)."""
+    trainer = resolved.get("trainer") if isinstance(resolved, dict) else None
+    if not isinstance(trainer, dict):
+        return None
+    overrides = trainer.get("overrides") if isinstance(trainer.get("overrides"), dict) else {}
+    fixed = overrides.get("learning_rate_schedule_steps")
+    try:
+        if fixed is not None and int(fixed) != -1:
+            return int(fixed)
+        return int(trainer["steps"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def schedule_change(before: dict, after: dict) -> str | None:
+    """Why two resolved recipes train differently although they may look alike: MaxText's learning-rate schedule
+    follows trainer.steps unless learning_rate_schedule_steps fixes it. None when the schedules are the same."""
+    old, new = schedule_steps(before), schedule_steps(after)
+    if old is None or new is None or old == new:
+        return None
+    return (f"learning-rate schedule differs: {old} vs {new} steps (MaxText's schedule follows trainer.steps "
+            "unless trainer.overrides.learning_rate_schedule_steps sets it), so the learning rate differs from "
+            "the first steps on")

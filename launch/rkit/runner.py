@@ -67,7 +67,12 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
             stamp(run, recipe, injections, image, extra_stamp or {})
         else:
             if changes := check_resume(run, recipe, image):
-                apply_changes(run, recipe, changes)
+                why = maxtext_keys.schedule_change(run.load_resolved(), recipe.resolved)
+                apply_changes(run, recipe, changes, training_change=why)
+                if why is not None:
+                    print(f"rkit: note: this --resume changes the training: {why}. To extend a run without it, "
+                          "start runs with trainer.overrides.learning_rate_schedule_steps set to their longest "
+                          "length.", file=sys.stderr)
             run.emit(EV.RUN_RESUMED, injections=[i.spec for i in injections], host=manifest.socket.gethostname())
         yield run, lock
     finally:
@@ -131,14 +136,20 @@ def check_resume(run: RunDir, recipe: Recipe, image: ImageIdentity | None) -> di
     return changes
 
 
-def apply_changes(run: RunDir, recipe: Recipe, changes: dict[str, list]) -> None:
+def apply_changes(run: RunDir, recipe: Recipe, changes: dict[str, list], training_change: str | None = None) -> None:
     """A resume's accepted changes: resolved.json and the stamp's config hash become the new ones (the Slurm job's
-    supervisor reads them), and a run.changed event keeps the old and new values."""
+    supervisor reads them), and a run.changed event keeps the old and new values. A change of what MaxText
+    derives from them (`training_change`: the learning-rate schedule, from trainer.steps) is kept in the
+    manifest's `training_changes` and named in the event."""
+    why = training_change
     write_json_atomic(run.resolved, recipe.resolved)
     stamp_data = run.load_manifest()
     stamp_data.update(config_hash=recipe.config_hash, hashed_config=hashed_config(recipe.resolved))
+    if why is not None:
+        stamp_data.setdefault("training_changes", []).append({"t": time.time(), "changes": changes, "why": why})
     write_json_atomic(run.manifest, stamp_data)
-    run.emit(EV.RUN_CHANGED, changes=changes, config_hash=recipe.config_hash)
+    run.emit(EV.RUN_CHANGED, changes=changes, config_hash=recipe.config_hash,
+             **({"training_change": why} if why else {}))
 
 
 def _at(tree: object, dotted: str) -> object:

@@ -149,6 +149,12 @@ def test_a_finished_run_resumed_with_more_steps_trains_on_to_the_new_end(workspa
     assert "finished" in done.stdout
     (changed,) = events(run, "run.changed")
     assert changed["changes"] == {"trainer.steps": [20, 30], "resilience.max_restarts": [3, 7]}
+    # MaxText's learning-rate schedule follows trainer.steps: the extension changes the training, and says so.
+    assert changed["training_change"].startswith("learning-rate schedule differs: 20 vs 30 steps")
+    assert "this --resume changes the training: learning-rate schedule differs" in done.stderr
+    assert "learning_rate_schedule_steps" in done.stderr
+    [recorded] = run.load_manifest()["training_changes"]
+    assert recorded["why"] == changed["training_change"] and recorded["changes"]["trainer.steps"] == [20, 30]
     assert events(run, "attempt.started")[-1]["resume_from_step"] == 19
     assert trained_steps(run, 2) == set(range(20, 30)) and maxtext_committed(run) == 29
     refused = rkit("run", str(TINY), "-o", "name=extended", *SHORT, "-o", "trainer.overrides.base_emb_dim=128",

@@ -86,3 +86,16 @@ def test_the_already_exists_hint_repeats_the_users_own_options(tmp_path):
     done = rkit("run", str(TINY), "-o", f"runs_dir={tmp_path}", "-o", "trainer.steps=7", cwd=tmp_path, check=2)
     assert f"rkit run {TINY} -o runs_dir={tmp_path} -o trainer.steps=7 --resume" in done.stderr
     assert f"rkit run {TINY} -o runs_dir={tmp_path} -o trainer.steps=7 -o name=NEW" in done.stderr
+
+
+def test_the_learning_rate_schedule_follows_steps_unless_it_is_fixed():
+    base = load_recipe(TINY, ["trainer.steps=30"]).resolved
+    longer = load_recipe(TINY, ["trainer.steps=40"]).resolved
+    assert maxtext_keys.schedule_steps(base) == 30
+    why = maxtext_keys.schedule_change(base, longer)
+    assert why.startswith("learning-rate schedule differs: 30 vs 40 steps")
+    fixed = ["trainer.overrides.learning_rate_schedule_steps=40"]
+    assert maxtext_keys.schedule_change(load_recipe(TINY, ["trainer.steps=30", *fixed]).resolved,
+                                        load_recipe(TINY, ["trainer.steps=40", *fixed]).resolved) is None
+    assert maxtext_keys.schedule_change(base, load_recipe(TINY, ["trainer.steps=30", "name=x"]).resolved) is None
+    assert maxtext_keys.schedule_change({}, base) is None
