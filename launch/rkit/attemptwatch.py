@@ -4,8 +4,10 @@ full, a checkpoint that could not be restored, a coordinator port in use)."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import preflight
@@ -23,6 +25,55 @@ if TYPE_CHECKING:
 
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
 FULL_BYTES = 1 << 20
+
+
+class StartupPhase:
+    """Which part of its start-up an attempt is in, from its agents' events (agent.started: the process runs;
+    agent.ready: jax.distributed set up and MaxText imported), read from where events.jsonl ended when the attempt
+    began, at most once a second, until the first step: what the live display names while the step count is 0."""
+
+    def __init__(self, events_file: Path, attempt: int, ranks: int, resumed_from: int | None):
+        self.file, self.attempt, self.ranks, self.resumed_from = events_file, attempt, ranks, resumed_from
+        try:
+            self.offset = events_file.stat().st_size
+        except OSError:
+            self.offset = 0
+        self.partial = b""
+        self.started: set[int] = set()
+        self.ready: set[int] = set()
+        self.next = 0.0
+
+    def read(self) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + 1.0
+        try:
+            with open(self.file, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read(1 << 20)
+        except OSError:
+            return
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()[-(1 << 16):]
+        for line in lines:
+            if b'"agent.' not in line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("attempt") == self.attempt and isinstance(event.get("rank"), int):
+                {EV.AGENT_STARTED: self.started, EV.AGENT_READY: self.ready}.get(event.get("event"), set()).add(
+                    event["rank"])
+
+    def describe(self) -> str:
+        if len(self.ready) >= self.ranks:
+            return ("compiling" if self.resumed_from is None else f"restoring step {self.resumed_from}, compiling")
+        if len(self.started) >= self.ranks:
+            return f"jax.distributed set-up, importing MaxText ({len(self.ready)}/{self.ranks} ready)"
+        return f"starting processes ({len(self.started)}/{self.ranks})"
 
 
 @dataclass
@@ -50,6 +101,7 @@ class AttemptWatch:
         # ranks: every 0.8 s), exits still every poll. Metrics only feed the hang watch (timeouts of minutes),
         # stragglers and progress.
         self.scan_every, self.next_scan = sup.poll_seconds * max(1, len(self.tails) // 64), 0.0
+        self.phase = StartupPhase(sup.run.events_file, self.attempt, len(self.tails), self.resumed_from)
 
     def disk_full(self, force: bool) -> str | None:
         """A rank's log line saying a write failed for space, with the checkpoints' file system; or, when a rank
@@ -119,6 +171,12 @@ class AttemptWatch:
         self.stragglers.check()
         progress.committed = maxtext.latest_committed_step(sup.run)
         progress.message = f"attempt {self.attempt}"
+        final = sup.config.trainer.final_step
+        if not self.first_step_seen:
+            self.phase.read()
+            progress.message += f": {self.phase.describe()}"
+        elif progress.step is not None and progress.step >= final and progress.committed != final:
+            progress.message += ": saving the final checkpoint"
         sup.on_progress(progress)
 
     def last_steps(self) -> dict[int, int | None]:

@@ -288,6 +288,12 @@ class Ending:
     error: str | None = None  # the failed rank's own words (ranklogs.rank_error)
 
 
+def _after(step: int | None) -> str:
+    """Where a rank stood when it failed: the last step whose metrics it wrote (MaxText writes a step's line once
+    the next is dispatched, so an injection at step=S fires `after step S-1`)."""
+    return "before its first step" if step is None else f"after step {step}"
+
+
 def _fmt(step: int | None) -> str:
     return "?" if step is None else str(step)
 
@@ -300,15 +306,15 @@ def classify(obs: Observation) -> Ending | None:
         # Slurm ends a job (without --no-kill) when one of its nodes dies, and requeues it: a node failure, not
         # the user's interrupt.
         down = tuple(obs.down_nodes)
-        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(down)}: Slurm ended the job (at step "
-                                       f"{_fmt(obs.step)})", Stop.NOW, step=obs.step, nodes=down, requeue=True,
+        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(down)}: Slurm ended the job ("
+                                       f"{_after(obs.step)})", Stop.NOW, step=obs.step, nodes=down, requeue=True,
                       exclude=down)
     if obs.interrupted:
         return Ending(Cause.INTERRUPTED, "interrupted by the user", Stop.GRACE)
     if obs.dead_nodes:  # its peers wait in a collective; Slurm would see it only after SlurmdTimeout
         dead = tuple(sorted(obs.dead_nodes))
         why = "; ".join(f"{node}: {obs.dead_nodes[node]}" for node in dead)
-        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(dead)} (at step {_fmt(obs.step)}): {why}",
+        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(dead)} ({_after(obs.step)}): {why}",
                       Stop.NOW, step=obs.step, nodes=dead, exclude=dead)
     if obs.disk_full:  # a save that failed for space never succeeds on retry, and its trainer may sit forever
         return Ending(Cause.DISK_FULL, f"disk full: {obs.disk_full}", Stop.NOW, step=obs.step)
@@ -319,10 +325,10 @@ def classify(obs: Observation) -> Ending | None:
         return Ending(Cause.PORT_IN_USE, f"jax.distributed's coordinator could not listen: {obs.port_in_use}",
                       Stop.NOW, step=obs.step)
     if obs.preempt:
-        return Ending(Cause.PREEMPTED, f"{obs.preempt} at step {_fmt(obs.step)} (time limit or preemption)",
+        return Ending(Cause.PREEMPTED, f"{obs.preempt} {_after(obs.step)} (time limit or preemption)",
                       Stop.SAVE, step=obs.step, requeue=True)
     if obs.inject_sigterm:
-        return Ending(Cause.PREEMPTED, f"SIGTERM at step {_fmt(obs.step)} (injected {obs.inject_sigterm})",
+        return Ending(Cause.PREEMPTED, f"SIGTERM {_after(obs.step)} (injected {obs.inject_sigterm})",
                       Stop.SAVE, step=obs.step)
     if obs.hang is not None and not failed:
         hang = obs.hang
@@ -341,16 +347,16 @@ def classify(obs: Observation) -> Ending | None:
         last = obs.last_steps.get(first.rank)
         if obs.failed_nodes:
             lost = tuple(obs.failed_nodes)
-            return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} (rank {first.rank} lost at step "
-                                           f"{_fmt(last)})", Stop.NOW, rank=first.rank, code=first.returncode,
+            return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} (rank {first.rank} lost "
+                                           f"{_after(last)})", Stop.NOW, rank=first.rank, code=first.returncode,
                           step=last, nodes=lost, exclude=lost)
         said = f": {obs.rank_error}" if obs.rank_error else ""
         if obs.out_of_memory:
-            return Ending(Cause.OUT_OF_MEMORY, f"out of memory: rank {first.rank} {first.describe()} at step "
-                                               f"{_fmt(last)}: {obs.out_of_memory}", Stop.NOW, rank=first.rank,
+            return Ending(Cause.OUT_OF_MEMORY, f"out of memory: rank {first.rank} {first.describe()} "
+                                               f"{_after(last)}: {obs.out_of_memory}", Stop.NOW, rank=first.rank,
                           code=first.returncode, step=last, error=obs.rank_error)
         cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
-        return Ending(cause, f"rank {first.rank} {first.describe()} at step {_fmt(last)}{said}", Stop.NOW,
+        return Ending(cause, f"rank {first.rank} {first.describe()} {_after(last)}{said}", Stop.NOW,
                       rank=first.rank, code=first.returncode, step=last, error=obs.rank_error)
     if len(obs.exits) >= obs.processes:
         if obs.final_committed:

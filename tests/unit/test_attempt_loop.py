@@ -254,7 +254,7 @@ def test_completion(tmp_path):
 def test_rank_exit(tmp_path):
     sup, backend = make(tmp_path, Script(exit=(1, 6, 3)))
     outcome = attempt(sup)
-    assert outcome.cause is Cause.TASK_EXIT and outcome.detail == "rank 0 exited with code 3 at step 6"
+    assert outcome.cause is Cause.TASK_EXIT and outcome.detail == "rank 0 exited with code 3 after step 6"
     assert (outcome.rank, outcome.code, outcome.step) == (0, 3, 6) and outcome.committed_after == 4
     failed = events(sup.run, EV.ATTEMPT_FAILED)[0]
     assert failed["cls"] == "task_exit" and failed["exit_code"] == 3 and failed["node"] == "n1"
@@ -264,7 +264,7 @@ def test_rank_exit(tmp_path):
 def test_rank_signal(tmp_path):
     sup, backend = make(tmp_path, Script(kill=(1, 5)))
     outcome = attempt(sup)
-    assert outcome.cause is Cause.TASK_SIGNAL and outcome.detail == "rank 1 killed by SIGKILL at step 5"
+    assert outcome.cause is Cause.TASK_SIGNAL and outcome.detail == "rank 1 killed by SIGKILL after step 5"
     assert events(sup.run, EV.ATTEMPT_FAILED)[0]["signal"] == "SIGKILL" and backend.stops == [0]
 
 
@@ -284,7 +284,7 @@ def test_lost_node_is_excluded(tmp_path):
     sup, backend = make(tmp_path, Script(node=(1, 7)))
     outcome = attempt(sup)
     assert outcome.cause is Cause.NODE_FAIL and outcome.nodes == ("n2",) and not outcome.requeue
-    assert outcome.detail == "node failure on n2 (rank 1 lost at step 7)"
+    assert outcome.detail == "node failure on n2 (rank 1 lost after step 7)"
     assert backend.exclude == ["n2"] and events(sup.run, EV.NODES_EXCLUDED)[0]["healthy"] == ["n1", "n3"]
     assert backend.nodes(None) == ["n1", "n3"]  # the next attempt runs on the spare
 
@@ -302,7 +302,7 @@ def test_preemption_saves_and_requeues(tmp_path):
     outcome = attempt(sup)
     assert outcome.cause is Cause.PREEMPTED and outcome.requeue and backend.saves_requested == 1
     # The signal came while rank 0 wrote step 6; the supervisor had read up to step 5.
-    assert outcome.detail == "SIGUSR1 at step 5 (time limit or preemption)"
+    assert outcome.detail == "SIGUSR1 after step 5 (time limit or preemption)"
     assert outcome.committed_after is not None and outcome.committed_after >= 6
     requested = events(sup.run, EV.PREEMPT_REQUESTED)[0]
     assert requested["received"] == "SIGUSR1" and events(sup.run, EV.PREEMPT_SAVED)
@@ -389,7 +389,7 @@ def test_run_to_end_stops_a_crash_loop_on_its_signature(tmp_path):
     assert sup.run_to_end() is RunState.GAVE_UP
     gave_up = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
     assert gave_up.startswith("crash loop: 2 consecutive attempts failed the same way")
-    assert "rank 0 exited with code 3 at step 6" in gave_up
+    assert "rank 0 exited with code 3 after step 6" in gave_up
     assert len(events(sup.run, EV.ATTEMPT_STARTED)) == 2  # attempt 1 committed step 4; the same failure anyway
 
 
@@ -547,7 +547,7 @@ def test_a_failed_ranks_own_error_is_in_the_ending_the_event_and_the_crash_loop(
     failed = events(sup.run, EV.ATTEMPT_FAILED)
     assert [f["error"] for f in failed] == [error, error] and failed[0]["rank"] == 1
     ended = events(sup.run, EV.ATTEMPT_ENDED)
-    assert ended[0]["detail"] == f"rank 1 exited with code 1 at step 6: {error}"
+    assert ended[0]["detail"] == f"rank 1 exited with code 1 after step 6: {error}"
     reason = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
     assert reason.startswith("crash loop") and error in reason
     assert json.loads(sup.run.attempt_record(1).read_text())["error"] == error
@@ -559,6 +559,45 @@ def test_a_rank_out_of_memory_is_named_and_not_retried(tmp_path):
     assert sup.run_to_end() is RunState.GAVE_UP
     ended = events(sup.run, EV.ATTEMPT_ENDED)
     assert [e["cause"] for e in ended] == ["out_of_memory"]  # one attempt: the same config runs out again
-    assert ended[0]["detail"].startswith("out of memory: rank 1 exited with code 1 at step 6: its log says so")
+    assert ended[0]["detail"].startswith("out of memory: rank 1 exited with code 1 after step 6: its log says so")
     reason = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
     assert "would run out the same way" in reason and "per_device_batch_size" in reason
+
+
+def test_the_startup_phase_is_named_from_the_agents_events(tmp_path, monkeypatch):
+    from rkit import attemptwatch
+    from rkit.attemptwatch import StartupPhase
+
+    events_file = tmp_path / "events.jsonl"
+    events_file.write_text(json.dumps({"event": "agent.ready", "attempt": 1, "rank": 0}) + "\n")  # an older attempt
+    clock = [0.0]
+    monkeypatch.setattr(attemptwatch.time, "monotonic", lambda: clock[0])
+    phase = StartupPhase(events_file, attempt=2, ranks=2, resumed_from=20)
+
+    def add(event: str, rank: int, partial: bool = False) -> str:
+        with open(events_file, "a") as fh:
+            fh.write(json.dumps({"event": event, "attempt": 2, "rank": rank}) + ("" if partial else "\n"))
+        clock[0] += 1.0
+        phase.read()
+        return phase.describe()
+
+    phase.read()
+    assert phase.describe() == "starting processes (0/2)"
+    assert add("agent.started", 0) == "starting processes (1/2)"
+    assert add("agent.started", 1) == "jax.distributed set-up, importing MaxText (0/2 ready)"
+    assert add("agent.ready", 1, partial=True) == "jax.distributed set-up, importing MaxText (0/2 ready)"
+    with open(events_file, "a") as fh:
+        fh.write("\n")
+    clock[0] += 1.0
+    phase.read()
+    assert phase.describe() == "jax.distributed set-up, importing MaxText (1/2 ready)"
+    assert add("agent.ready", 0) == "restoring step 20, compiling"
+
+
+def test_the_progress_message_names_the_phase_then_the_final_save(tmp_path):
+    seen: list[str] = []
+    sup, _ = make(tmp_path, Script())
+    sup.on_progress = lambda p: seen.append(p.message)
+    assert sup.run_to_end() is RunState.FINISHED
+    assert seen[0] == "attempt 1: starting" and "attempt 1: starting processes (0/2)" in seen
+    assert "attempt 1" in seen  # training

@@ -134,7 +134,7 @@ def test_a_silent_node_is_probed_then_excluded_if_dead_and_left_alone_if_alive(t
         assert backend.exclude == [] and not events(sup.run, EV.ATTEMPT_FAILED)
         return
     assert first.cause is Cause.NODE_FAIL and first.nodes == ("n2",) and not first.requeue
-    assert first.detail.startswith("node failure on n2 (at step 6): n2: no heartbeat for ")
+    assert first.detail.startswith("node failure on n2 (after step 6): n2: no heartbeat for ")
     assert "the probe step failed (exit 1)" in first.detail
     assert [e["node"] for e in events(sup.run, EV.NODE_SUSPECTED)] == ["n2"]  # a dead node is not probed again
     dead = events(sup.run, EV.NODE_DEAD)[0]

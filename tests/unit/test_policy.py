@@ -36,7 +36,7 @@ def test_training_failures_with_progress_restart_until_budget():
 def test_crash_loop_is_diagnosed_when_no_checkpoint_progress():
     tally = Tally()
     budgets = Budgets(max_restarts=10, max_infra_restarts=2, crash_loop_limit=3)
-    detail = "rank 0 exited with code 3 at step 7"
+    detail = "rank 0 exited with code 3 after step 7"
     decisions = []
     for _ in range(3):
         decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, 5, 5, detail), budgets, False)
@@ -62,7 +62,7 @@ def test_progress_resets_the_crash_loop_count():
 def test_the_same_failure_is_a_crash_loop_even_when_a_checkpoint_slipped_in():
     """An async save may commit during any attempt: the same rank, exit code and step in a row is a crash loop."""
     budgets = Budgets(max_restarts=3, max_infra_restarts=10, crash_loop_limit=2)
-    detail = "rank 0 exited with code 3 at step 15"
+    detail = "rank 0 exited with code 3 after step 15"
     tally = Tally()
     decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, None, 10, detail, rank=0, code=3, step=15), budgets,
                              False)
