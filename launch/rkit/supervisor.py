@@ -24,6 +24,7 @@ from .config import Config
 from .image import ImageIdentity
 from .inject import Injection, pending
 from .oomkills import OomWatch
+from .tbmarks import mark_restart
 from .policy import (
     FINAL_EVENTS,
     Action,
@@ -186,6 +187,9 @@ class Supervisor:
         attempt_dir.mkdir(parents=True, exist_ok=False)
         self._check_checkpoints()
         committed_before = maxtext.latest_committed_step(self.run)
+        # Earlier attempts' summaries of the steps this one trains again are dropped by TensorBoard (tbmarks.py).
+        restart_step = 0 if committed_before is None else committed_before + 1
+        tb_note = mark_restart(self.run.tensorboard_dir, restart_step)
         progress.attempt, progress.committed, progress.step = attempt, committed_before, committed_before
         progress.message = f"attempt {attempt}: starting"
         self.on_progress(progress)
@@ -221,7 +225,8 @@ class Supervisor:
             info["pid_started"] = {name: started_at(pid) for name, pid in info["pids"].items()}
             write_json_atomic(self.run.attempt_record(attempt), info)
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
-                          nodes=info["nodes"], processes=self.processes, injections=info["injections"])
+                          nodes=info["nodes"], processes=self.processes, injections=info["injections"],
+                          **({"tensorboard": tb_note} if tb_note else {}))
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
                                  oom=OomWatch.of(list(info["pids"].values())))
             if self.backend.liveness is not None:
@@ -299,6 +304,7 @@ class Supervisor:
         if failed:
             watch.read()  # a failed rank's last lines may have landed after this round's read
             said, oom = watch.failure(first.rank, first.returncode)
+            oom = handle.out_of_memory or oom  # Slurm's cgroup saw it on the rank's node
         step = watch.progress.step
         hang = None if failed else watch.hang.check(self.clock())
         everyone_exited = len(exits) >= self.processes

@@ -198,6 +198,18 @@ def test_fault_then_resume_matches_uninterrupted_loss(workspace, baseline, name,
     assert run_goodput(run).seconds["restore"] == pytest.approx(restored["restore_seconds"], abs=0.01)
     # Bit for bit: the same final loss as the run that was never interrupted.
     assert final_loss(run) == final_loss(baseline)
+    # TensorBoard's curve (through its own accumulator, as AMD's compare_runs.py reads it): each step once, the
+    # recomputed steps with the resumed attempt's values, the same as the uninterrupted run's.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run.tensorboard_dir))
+    board.Reload()
+    steps = [e.step for e in board.Scalars("learning/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 29, steps
+    clean = EventAccumulator(str(baseline.tensorboard_dir))
+    clean.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("learning/loss")] == \
+        [(e.step, e.value) for e in clean.Scalars("learning/loss")]
     view = merged(run, rank=0)
     lines = [m.step for m in read_rank(run.metrics_file(0))]
     restart_at = next(i for i in range(1, len(lines)) if lines[i] <= lines[i - 1])

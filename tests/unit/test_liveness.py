@@ -5,6 +5,7 @@ The probe and the death on the real Slurm test bed are in tests/integration/test
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import threading
@@ -284,3 +285,23 @@ def test_a_node_that_answers_its_probe_while_still_silent_is_probed_again_less_a
         assert [g - 1 for g in gaps[:5]] == [6, 12, 24, 48, 60] and max(gaps) == 61
     finally:
         live.close()
+
+
+def test_slurms_oom_kill_report_makes_the_task_out_of_memory(tmp_path):
+    from rkit.backends.slurm import SlurmStepBackend, StepHandle, StepRequest
+    from rkit.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.emit(EV.AGENT_STARTED, attempt=1, rank=1, pid=1, warm=False)
+    log = tmp_path / "srun.log"
+    log.write_text("slurmstepd: error: Detected 1 oom_kill event in StepId=41.0. Some of the step tasks have been "
+                   "OOM Killed.\nsrun: error: c2: task 1: Out Of Memory\n")
+    request = StepRequest(attempt=1, argv=["srun"], env={"RKIT_RUN_DIR": str(run.path), "RKIT_NPROCS": "2"},
+                          nodes=["c1", "c2"], log=log, cwd=tmp_path, processes=2)
+    handle = StepHandle.cold(request, _done("false"))
+    exits = SlurmStepBackend(nodes_per_step=2, tasks_per_node=1).poll(handle)
+    assert exits[1].returncode == -signal.SIGKILL and exits[1].node == "c2"
+    assert handle.out_of_memory == ("Slurm said: slurmstepd: error: Detected 1 oom_kill event in StepId=41.0. Some "
+                                    "of the step tasks have been OOM Killed.")
+    assert handle.launch_failed is None

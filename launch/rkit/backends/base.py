@@ -80,6 +80,8 @@ class Handle:
     # The launcher could not start the attempt's processes (Slurm could not create the step, a task could not be
     # launched on a node, or the step failed before any rank's agent started): what it said. Infrastructure.
     launch_failed: str | None = None
+    # The launcher saw a task killed for memory (Slurm's cgroup: "Detected 1 oom_kill event ..."): what it said.
+    out_of_memory: str | None = None
 
     def pids(self) -> dict[str, int]:
         """The processes to look for when the supervisor is gone (attempt.json's `pids`)."""

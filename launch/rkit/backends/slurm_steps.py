@@ -23,6 +23,9 @@ SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT
 # srun could not start the step's tasks: Slurm refused the step, or a node did not take its tasks.
 SRUN_LAUNCH_FAILED = re.compile(r"srun: error: (?:Unable to create step for job \S+: .+|Task launch for StepId=\S+ "
                                 r"failed on node (\S+?):? .+|.*Requested node configuration is not available.*)")
+# Slurm's cgroup plugin saw the step's memory cap hit: slurmstepd's line, and srun's per task ("Out Of Memory").
+SRUN_OOM = re.compile(r"slurmstepd: error: Detected \d+ oom[_-]kill event.*|srun: error: \S+: tasks? [\d,\-]+: "
+                      r"Out Of Memory.*", re.IGNORECASE)
 # How long srun may take to end after its step was cancelled while a node of the step is dead: srun waits for that
 # node's tasks until Slurm declares the node down (SlurmdTimeout, 300 s by default); its other tasks are gone.
 LOST_NODE_WAIT = 2.0
@@ -97,11 +100,13 @@ class StepHandle(Handle):
         for node, tasks, what in SRUN_TASK_EXIT.findall(text):
             for rank in (part.first_rank + t for t in _ranks(tasks)):
                 m = re.search(r"exit code (\d+)", what)
-                sig = re.search(r"Killed|Terminated|[Ss]egmentation|Aborted|signal (\d+)", what)
+                sig = re.search(r"Killed|Terminated|[Ss]egmentation|Aborted|signal (\d+)|Out Of Memory", what)
                 if m:
                     exits.setdefault(rank, RankExit(rank, int(m.group(1)), node))
                 elif sig:
                     exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node))
+        if self.out_of_memory is None and (oom := SRUN_OOM.search(text)):
+            self.out_of_memory = f"Slurm said: {oom.group(0).strip()[:300]}"
         for match in SRUN_NODE_FAIL.finditer(text):
             node = (match.group(1) or match.group(2) or "").rstrip(":,.")
             if node and node not in self.failed_nodes:
@@ -165,5 +170,6 @@ def _ranks(spec: str) -> list[int]:
 def _signal_of(text: str) -> int:
     if text.startswith("signal"):
         return int(text.split()[-1])
-    return {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM, "Aborted": signal.SIGABRT}.get(
+    return {"Killed": signal.SIGKILL, "Out Of Memory": signal.SIGKILL, "Terminated": signal.SIGTERM,
+            "Aborted": signal.SIGABRT}.get(
         text, signal.SIGSEGV)
