@@ -24,7 +24,6 @@ from .config import Config
 from .image import ImageIdentity
 from .inject import Injection, pending
 from .oomkills import OomWatch
-from .tbmarks import mark_restart
 from .policy import (
     FINAL_EVENTS,
     Action,
@@ -43,6 +42,7 @@ from .policy import (
     tally_from_events,
 )
 from .rundir import EV, UMASK_ENV, RunDir, umask_for, write_json_atomic
+from .tbmarks import mark_restart
 from .telemetry.metrics import MetricsTail, repair_tail
 from .trainers import maxtext
 
