@@ -24,6 +24,7 @@ import hashlib
 import json
 import platform
 import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -41,6 +42,10 @@ MATH_KEYS = ("trainer", "resources", "reproducibility", "env")
 # What `history` can plot: the extra_info key of its per-round samples (None: stats.data, the step times).
 HISTORY_METRICS = {"step_time": None, "tokens_per_sec_per_device": "tokens_per_sec_per_device",
                    "host_rss": "host_rss_bytes"}
+# How `history` shows each metric: its words, its unit, the factor from the saved samples (seconds, bytes) to it.
+HISTORY_UNITS = {"step_time": ("step time", "ms", 1e3), "tokens_per_sec_per_device": ("tokens/s per device",
+                                                                                     "tokens/s", 1.0),
+                 "host_rss": ("host RSS", "MiB", 1 / 2**20)}
 
 
 class _Quiet:
@@ -234,12 +239,25 @@ def run_rounds(train: Callable[[str, int], Round], rounds: int, sides: list[str]
     done: dict[str, list[Round]] = {side: [] for side in sides}
     plan = order(rounds, sides)
     for n, (side, index) in enumerate(plan, 1):
+        echo(f"rkit bench: round {n}/{len(plan)}: {side} {index} training ...")
         r = train(side, index)
-        st = r.outcome["step_time"]
-        echo(f"rkit bench: {n}/{len(plan)} {side} round {index}: {r.path} step time median "
-             f"{(st['median'] or 0) * 1000:.1f} ms over {st['n']} steps, loss {r.outcome['loss']['sha256']}")
         done[side].append(r)
+        st = r.outcome["step_time"]
+        echo(f"rkit bench: round {n}/{len(plan)}: {side} {index}: {r.path} step time median "
+             f"{(st['median'] or 0) * 1000:.1f} ms over {st['n']} steps, loss {r.outcome['loss']['sha256']}; "
+             f"so far {so_far(done)}")
     return done
+
+
+def so_far(done: dict[str, list[Round]]) -> str:
+    """Each side's median step time over all its rounds' steady-state steps so far, e.g.
+    `baseline 12.1 ms (2 rounds), candidate 12.9 ms (1 round)`."""
+    parts = []
+    for side, rs in done.items():
+        samples = [v for r in rs for v in r.outcome["step_time"].get("samples") or []]
+        if samples:
+            parts.append(f"{side} {statistics.median(samples) * 1000:.1f} ms ({len(rs)} round{'s' * (len(rs) > 1)})")
+    return ", ".join(parts) or "nothing"
 
 
 def stamp_now() -> str:
@@ -355,12 +373,26 @@ def history_points(store, metric: str, globs: tuple[str, ...] = ()) -> list[dict
 def plot_history(points: list[dict[str, Any]], metric: str, out: Path) -> None:
     from .report import figure, save_png
 
-    fig, ax = figure(f"rkit bench history: {metric} (median, {outcomes.CONFIDENCE:.0%} interval)", metric)
+    words, unit, factor = HISTORY_UNITS[metric]
+    fig, ax = figure(f"rkit bench history: {words} (median, {outcomes.CONFIDENCE:.0%} interval)", f"{words} ({unit})")
     xs = list(range(len(points)))
-    med = [p["median"] for p in points]
-    ax.errorbar(xs, med, yerr=[[m - p["interval"][0] for m, p in zip(med, points, strict=True)],
-                               [p["interval"][1] - m for m, p in zip(med, points, strict=True)]], fmt="o", capsize=4)
+    med = [p["median"] * factor for p in points]
+    ax.errorbar(xs, med, yerr=[[m - p["interval"][0] * factor for m, p in zip(med, points, strict=True)],
+                               [p["interval"][1] * factor - m for m, p in zip(med, points, strict=True)]],
+                fmt="o", capsize=4)
     ax.set_xticks(xs)
-    ax.set_xticklabels([p["label"] for p in points], rotation=30, ha="right")
-    ax.set_xlabel("saved result (number, image sha256 prefix)")
+    ax.set_xticklabels([f"{p['label'].split()[0]} {p['name']}\n{p['image']}" for p in points], rotation=30,
+                       ha="right")
+    ax.set_xlabel("saved result (number and --save name; image sha256 prefix)")
     save_png(fig, out)
+
+
+def render_history(points: list[dict[str, Any]], metric: str) -> str:
+    """`rkit bench history`'s table: one row per saved result, the metric in its unit."""
+    words, unit, factor = HISTORY_UNITS[metric]
+    rows = [("RESULT", "NAME", "IMAGE", f"MEDIAN ({unit})", f"{outcomes.CONFIDENCE:.0%} INTERVAL ({unit})", "FILE")]
+    rows += [(p["label"].split()[0], str(p["name"]), p["image"], f"{p['median'] * factor:.4g}",
+              f"[{p['interval'][0] * factor:.4g}, {p['interval'][1] * factor:.4g}]", p["file"]) for p in points]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return f"{words}:\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                                      for r in rows)

@@ -169,11 +169,13 @@ def _num(value: Any) -> str:
 
 def render(result: dict[str, Any]) -> str:
     loss = result["loss"]
-    out = [f"A {result['a']} ({result['states'][0]})  vs  B {result['b']} ({result['states'][1]})"]
+    sa, sb = (state or "state not recorded" for state in result["states"])
+    out = [f"A {result['a']} ({sa})  vs  B {result['b']} ({sb})"]
     if result["config_hashes"][0] != result["config_hashes"][1]:
         out.append("  configs differ (rkit diff A B says how)")
     if result["images"][0] != result["images"][1]:
-        out.append(f"  images differ: {str(result['images'][0])[:19]} vs {str(result['images'][1])[:19]}")
+        ia, ib = (str(i)[:19] if i else "no image (the host's Python)" for i in result["images"])
+        out.append(f"  images differ: {ia} vs {ib}")
     tol = "bit-exact" if loss["tolerance"] == 0 else f"tolerance {loss['tolerance']:g}"
     if not loss["counts_in_verdict"]:
         tol += "; not in the verdict: the training math differs"
@@ -196,7 +198,7 @@ def render(result: dict[str, Any]) -> str:
     out.append(f"performance (B/A, {result['method']}; threshold {result['threshold']:.0%}):")
     for m in result["performance"]:
         if m["ratio"] is None:
-            out.append(f"  {m['metric']:<26} -")
+            out.append(f"  {m['metric']:<26} n/a (not recorded for both runs)")
             continue
         lo, hi = m["interval"]
         ci = "" if lo == hi else f" [{lo:.3f}, {hi:.3f}]"

@@ -31,7 +31,7 @@ import numpy as np
 from .rundir import RunDir, _objects
 from .telemetry import goodput, metrics
 
-VERSION = 4  # 2: goodput's start-up in parts (EventFold.agents); 3: its restore (_Attempt.restore); 4: detection
+VERSION = 5  # 5: injections without a spec; 2: goodput's start-up in parts (EventFold.agents); 3: its restore (_Attempt.restore); 4: detection
 SIGNATURE_BYTES = 4096
 CHUNK_BYTES = 8 << 20
 # Save a digest once 1/32 of its file, at most 1 MiB, was read since its last save: a later process then re-reads

@@ -1,4 +1,4 @@
-"""`rkit ls [RUNS_DIR]`: one line per run directory found there: name, state, step/total, loss, config hash and
+"""`rkit ls [RUNS_DIR]`: one line per run directory found there: name, state, step and steps done, loss, config hash and
 image digest prefixes, launcher, Slurm job id, age. Reads little per run (the events through status's digest:
 only what was appended since the last read; the newest metrics line; the checkpoint directory), so a directory
 of many long runs lists fast; `rkit status RUN` tells the rest."""
@@ -48,7 +48,9 @@ def row(run: RunDir, now: float | None = None) -> dict[str, Any]:
     image = (stamp.get("image") or {}).get("sha256")
     return {
         "name": run.name, "path": str(run.path), "state": state.value, "reason": reason,
-        "step": last.get("step"), "total_steps": int(config.trainer.steps), "last_committed_step": committed,
+        # MaxText's own step number (from 0), and how many of total_steps are done (step + 1)
+        "step": last.get("step"), "steps_done": last["step"] + 1 if isinstance(last.get("step"), int) else 0,
+        "total_steps": int(config.trainer.steps), "last_committed_step": committed,
         "loss": last.get("loss"), "config_hash": stamp.get("config_hash"), "image_sha256": image,
         "launcher": config.launcher, "job_id": slurm["job_id"] if slurm else None,
         "age_seconds": round(now - events.last["t"], 1) if events.last and "t" in events.last else None,
@@ -71,15 +73,16 @@ def _age(seconds: float | None) -> str:
 def render(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no runs"
-    header = ("NAME", "STATE", "STEP", "LOSS", "CONFIG", "IMAGE", "LAUNCHER", "JOB", "AGE")
+    header = ("NAME", "STATE", "STEP", "DONE", "LOSS", "CONFIG", "IMAGE", "LAUNCHER", "JOB", "AGE")
     table = [header]
     for r in rows:
         if r["state"] == "unreadable":
-            table.append((r["name"], "unreadable", "-", "-", "-", "-", "-", "-", "-"))
+            table.append((r["name"], "unreadable", "-", "-", "-", "-", "-", "-", "-", "-"))
             continue
-        step = "-" if r["step"] is None else f"{r['step'] + 1}/{r['total_steps']}"
+        step = "-" if r["step"] is None else str(r["step"])
         loss = "-" if not isinstance(r["loss"], (int, float)) else f"{r['loss']:.4g}"
-        table.append((r["name"], r["state"], step, loss, _prefix(r["config_hash"]), _prefix(r["image_sha256"]),
+        table.append((r["name"], r["state"], step, f"{r['steps_done']}/{r['total_steps']}", loss,
+                      _prefix(r["config_hash"]), _prefix(r["image_sha256"]),
                       r["launcher"], r["job_id"] or "-", _age(r["age_seconds"])))
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()

@@ -147,7 +147,10 @@ def host_keys(python: str = sys.executable) -> dict[str, Any]:
     """The keys of the MaxText this Python imports (found without importing it: 3 s of imports, once)."""
     from importlib import util
 
-    spec = util.find_spec("maxtext") if python == sys.executable else None
+    try:
+        spec = util.find_spec("maxtext") if python == sys.executable else None
+    except (ImportError, ValueError):  # a finder that refuses it: ask the Python itself
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         return _run([python, "-c", EXTRACT])
     root = Path(list(spec.submodule_search_locations)[0])

@@ -1,5 +1,6 @@
-"""`rkit report`: PNG plots of a run against wall-clock time (loss, tokens/s, step time, goodput) and a one-page
-summary.md + summary.html, written into <run>/report/ (or --out) from the run directory alone."""
+"""`rkit report`: PNG plots of a run (loss, tokens/s, step time: against the step, and below against wall-clock
+time; goodput) and a one-page summary.md + summary.html, written into <run>/report/ (or --out) from the run
+directory alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from . import __version__
 from .config import Config
+from .display import progress
 from .errors import RkitError
 from .rundir import EV, RunDir, set_access, write_atomic
 from .telemetry import goodput, metrics
@@ -22,6 +24,7 @@ FAULT_EVENTS = (EV.INJECT_FIRED, EV.ATTEMPT_FAILED, EV.ATTEMPT_HANG, EV.PREEMPT_
                 EV.PREEMPT_UNSAVED, EV.PREEMPT_ESCALATED, EV.NODES_EXCLUDED, EV.JOB_REQUEUED, EV.DISK_LOW,
                 EV.NODE_STRAGGLER, EV.ATTEMPT_NO_NODES, EV.CHECKPOINT_QUARANTINED)
 PLOTS = {"loss": "loss", "tokens_per_sec": "tokens/s (all processes)", "step_time": "step time (s)"}
+CAUSE_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
 @dataclass
@@ -32,6 +35,8 @@ class Series:
     points: list[dict[str, Any]] = field(default_factory=list)   # t, step, attempt, loss, tokens_per_sec, ...
     boundaries: list[tuple[float, int]] = field(default_factory=list)  # (t, attempt) of each attempt.started
     failures: list[tuple[float, str]] = field(default_factory=list)    # (t, cause) of each failed attempt
+    # (the last step the failed attempt reached, cause): where the failure sits on the step axis
+    failure_steps: list[tuple[int | None, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +100,8 @@ def plot_series(run: RunDir, events: list[dict] | None = None, *, config: Config
         if cause in ("completed", None):
             continue
         series.failures.append(((fail or end)["t"], str(cause)))
+        reached = [p["step"] for p in series.points if p["attempt"] == n]
+        series.failure_steps.append((max(reached) if reached else None, str(cause)))
     return series
 
 
@@ -122,29 +129,99 @@ def save_png(fig: Any, path: Path) -> None:
     write_atomic(path, buffer.getvalue())
 
 
-def plot(series: Series, key: str, path: Path, run_name: str) -> None:
-    """One metric against wall-clock time: dashed lines where attempts start, red marks where they failed."""
+def _spaced(marks: list[tuple[float, str]], gap: float) -> list[tuple[float, str]]:
+    """Marks at least `gap` apart along x (the later ones that crowd an earlier one are dropped): their labels
+    do not overprint each other."""
+    kept: list[tuple[float, str]] = []
+    for x, label in sorted(marks):
+        if not kept or x - kept[-1][0] >= gap:
+            kept.append((x, label))
+    return kept
+
+
+def _marks(ax: Any, series: Series, colors: dict[str, str], by_step: bool) -> None:
+    """Attempt starts (grey dashed, numbered above the axes), failures (a line in their cause's colour) and, by
+    step, recomputed steps (shaded); each kind named once in the legend."""
+    from matplotlib import dates as mdates
+
+    if by_step:
+        first = {}
+        for p in series.points:
+            first[p["attempt"]] = min(first.get(p["attempt"], p["step"]), p["step"])
+        starts = [(step, attempt) for attempt, step in sorted(first.items())]
+        failures = [(step, cause) for step, cause in series.failure_steps if step is not None]
+    else:
+        starts = [(mdates.date2num(_when(t)), attempt) for t, attempt in series.boundaries]
+        failures = [(mdates.date2num(_when(t)), cause) for t, cause in series.failures]
+    for i, (x, _) in enumerate(starts):
+        ax.axvline(x, color="grey", linestyle="--", linewidth=1, label="attempt start (#n above)" if i == 0 else None)
+    lo, hi = ax.get_xlim()
+    for x, attempt in _spaced([(x, f"#{a}") for x, a in starts], (hi - lo) * 0.03):
+        ax.annotate(attempt, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=7, color="dimgrey")
+    named: set[str] = set()
+    for x, cause in failures:
+        ax.axvline(x, color=colors[cause], linewidth=1.5, label=None if cause in named else f"failed: {cause}")
+        named.add(cause)
+    if by_step:
+        for i, (lo, hi) in enumerate(recomputed_spans(series)):
+            ax.axvspan(lo - 0.5, hi + 0.5, color="tab:orange", alpha=0.2, linewidth=0,
+                       label="recomputed steps (trained again after a resume)" if i == 0 else None)
+
+
+def recomputed_spans(series: Series) -> list[tuple[int, int]]:
+    """The runs of consecutive recomputed steps (trained a second time: a later attempt resumed from an earlier
+    checkpoint), as (first, last) step."""
+    spans: list[tuple[int, int]] = []
+    for step in sorted({p["step"] for p in series.points if p.get("recomputed")}):
+        if spans and step == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], step)
+        else:
+            spans.append((step, step))
+    return spans
+
+
+def draw(series: Series, key: str, run_name: str) -> Any:
+    """One metric in two views (a matplotlib Figure): against the step (MaxText's numbering), and below against
+    wall-clock time. Attempt starts, failures by cause and recomputed steps are marked; the legend sits outside
+    the axes and the attempt numbers above them, clear of the curves."""
+    from matplotlib import dates as mdates
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(11, 7.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg explicitly: no display, no pyplot global state
+    by_step, by_time = fig.subplots(2, 1, height_ratios=[3, 2])
     note = "" if key == "loss" else f" (first {SKIP_STEPS} steps of each attempt, compilation, left out)"
-    fig, ax = figure(f"{run_name}: {PLOTS[key]}{note}", PLOTS[key])
-    for attempt in sorted({p["attempt"] for p in series.points}):
-        pts = [p for p in series.points if p["attempt"] == attempt and p[key] is not None]
-        if pts:
-            ax.plot([_when(p["t"]) for p in pts], [p[key] for p in pts], marker=".", markersize=3, linewidth=1,
-                    label=f"attempt {attempt}")
-    for t, attempt in series.boundaries:
-        ax.axvline(_when(t), color="grey", linestyle="--", linewidth=1)
-        ax.annotate(f"attempt {attempt}", (_when(t), 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                    va="top", ha="right", fontsize=8, color="grey")
-    for t, cause in series.failures:
-        ax.axvline(_when(t), color="red", linewidth=1.5)
-        ax.annotate(cause, (_when(t), 0.02), xycoords=("data", "axes fraction"), rotation=90, va="bottom",
-                    ha="left", fontsize=8, color="red")
-    if not series.points:
-        ax.text(0.5, 0.5, "no steps recorded", transform=ax.transAxes, ha="center", va="center")
-    elif ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper right", fontsize=8)
-    fig.autofmt_xdate()
-    save_png(fig, path)
+    fig.suptitle(f"{run_name}: {PLOTS[key]}{note}")
+    causes = sorted({cause for _, cause in series.failures})
+    colors = {cause: CAUSE_COLORS[i % len(CAUSE_COLORS)] for i, cause in enumerate(causes)}
+    attempts = sorted({p["attempt"] for p in series.points})
+    for ax, xlabel in ((by_step, "step (MaxText's numbering, from 0)"), (by_time, "wall-clock time (UTC)")):
+        ax.set_ylabel(PLOTS[key])
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+        ax.ticklabel_format(axis="y", useOffset=False)  # an offset label would sit where the attempt numbers do
+        for attempt in attempts:
+            pts = [p for p in series.points if p["attempt"] == attempt and p[key] is not None]
+            if pts:
+                xs = [p["step"] for p in pts] if ax is by_step else [_when(p["t"]) for p in pts]
+                ax.plot(xs, [p[key] for p in pts], marker=".", markersize=3, linewidth=1,
+                        color=f"C{(attempt - 1) % 10}",
+                        label=f"attempt {attempt}" if ax is by_step and len(attempts) <= 12 else None)
+        _marks(ax, series, colors, by_step=ax is by_step)
+        if not series.points:
+            ax.text(0.5, 0.5, "no steps recorded", transform=ax.transAxes, ha="center", va="center")
+    by_step.xaxis.set_major_locator(MaxNLocator(integer=True))
+    by_time.xaxis.set_major_formatter(mdates.ConciseDateFormatter(by_time.xaxis.get_major_locator()))
+    if by_step.get_legend_handles_labels()[0]:
+        by_step.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
+    return fig
+
+
+def plot(series: Series, key: str, path: Path, run_name: str) -> None:
+    save_png(draw(series, key, run_name), path)
 
 
 def plot_goodput(g: goodput.Goodput, path: Path, run_name: str) -> None:
@@ -216,12 +293,11 @@ def _since(t: float, start: float | None) -> str:
 
 def _tables(d: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     s, g = d["status"], d["goodput"]
-    step = "-" if s["step"] is None else s["step"] + 1
     overview = [["state", s["state"] + (f": {s['reason']}" if s["reason"] else "")],
                 ["config hash", str(s["config_hash"])], ["image", d["image"] + (f" ({d['image_path']})"
                                                                                  if d["image_path"] else "")],
                 ["rkit", str(d["rkit_version"]) + f" (report by {__version__})"], ["started (UTC)", str(d["started"])],
-                ["steps", f"{step}/{s['total_steps']}, last committed {_fmt(s['last_committed_step'])}"],
+                ["steps", f"{progress(s['step'], s['total_steps'])}; last committed {_fmt(s['last_committed_step'])}"],
                 ["final loss", _fmt(s["loss"], "{:.4f}")],
                 ["throughput", f"{_fmt(s['tokens_per_sec'], '{:,.0f}')} tokens/s, step time "
                                f"{_fmt(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)"],

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import Config
 from .digest import RunDigest
+from .display import TOP, more, num, progress, render_goodput, render_watch, top
 from .policy import FINAL_EVENTS, RunState
 from .rundir import EV, RunDir, last_jsonl
 from .telemetry import goodput, metrics
@@ -70,8 +71,9 @@ class StatusFold(goodput.Fold):
             self.jobs_started.append(e)
         elif kind == EV.NODES_EXCLUDED:
             self.excluded = e["excluded"]
-        elif kind == EV.INJECT_FIRED:
-            self.injections.append(e.get("spec"))
+        elif kind == EV.INJECT_FIRED:  # the spec as given to --inject; else rebuilt from the event's fields
+            self.injections.append(str(e.get("spec") or f"{e.get('kind', '?')}:" + ",".join(
+                f"{k}={e[k]}" for k in ("rank", "step", "code") if e.get(k) is not None)))
         elif kind == EV.NODE_STRAGGLER:
             self.stragglers.extend(straggler_events([e]))
         elif kind == EV.DISK_LOW:
@@ -228,7 +230,8 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         "state": state.value,
         "reason": reason,
         "config_hash": stamp.get("config_hash"),
-        "step": current,
+        "step": current,  # MaxText's own number (from 0); steps_done = step + 1
+        "steps_done": done_steps,
         "total_steps": total,
         "last_committed_step": committed,
         "final_step_committed": committed is not None and committed >= config.trainer.final_step,
@@ -258,40 +261,40 @@ def new_digest(run: RunDir) -> RunDigest:
     return RunDigest(run, StatusFold)
 
 
-def _num(value: float | None, fmt: str = "{:.1f}") -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 def render_status(s: dict[str, Any]) -> str:
     state = s["state"]
     lines = [f"run        {s['name']}  ({s['path']})",
              f"state      {state}" + (f": {s['reason']}" if s["reason"] and state != "running" else "")]
-    step = "-" if s["step"] is None else s["step"] + 1
-    lines.append(f"progress   step {step}/{s['total_steps']}, last committed step "
-                 f"{_num(s['last_committed_step'], '{}')}, loss {_num(s['loss'], '{:.4f}')}")
-    lines.append(f"speed      {_num(s['tokens_per_sec'], '{:.0f}')} tokens/s, step time "
-                 f"{_num(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)")
-    lines.append(f"time       elapsed {_num(s['elapsed_seconds'])} s" +
-                 (f", ETA {_num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
+    lines.append(f"progress   {progress(s['step'], s['total_steps'])}, last committed step "
+                 f"{num(s['last_committed_step'], '{}')}, loss {num(s['loss'], '{:.4f}')}")
+    lines.append(f"speed      {num(s['tokens_per_sec'], '{:.0f}')} tokens/s, step time "
+                 f"{num(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)")
+    lines.append(f"time       elapsed {num(s['elapsed_seconds'])} s" +
+                 (f", ETA {num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
     lines.append(f"config     {s['config_hash']}")
     lines.append(f"goodput    {render_goodput(s['goodput'])}")
     if s.get("outcome") and s["outcome"]["loss_sha256"]:
         o = s["outcome"]
         lines.append(f"outcome    loss {o['loss_sha256']} over steps {o['first_step']}-{o['last_step']} "
                      "(outcome.json; rkit compare RUN OTHER)")
-    for st in s["stragglers"]:
+    shown, left = top(s["stragglers"], "ratio")
+    for st in shown:
         lines.append(f"straggler  {st['node']} in attempt {st['attempt']}: median step time "
-                     f"{_num(st['ratio'], '{:.2f}')}x the other nodes'")
-    for d in s["disk_low"]:
+                     f"{num(st['ratio'], '{:.2f}')}x the other nodes'")
+    lines += more(left, "stragglers")
+    shown, left = top(s["disk_low"])
+    for d in shown:
         lines.append(f"disk low   {d['fs']} ({d['path']}) on {d['node']} in attempt {d['attempt']}: "
-                     f"{d['free_bytes']} bytes free, {_num((d['fraction'] or 0) * 100, '{:.2f}')}% "
-                     f"(threshold {_num((d['threshold'] or 0) * 100, '{:.0f}')}%)")
+                     f"{d['free_bytes']} bytes free, {num((d['fraction'] or 0) * 100, '{:.2f}')}% "
+                     f"(threshold {num((d['threshold'] or 0) * 100, '{:.0f}')}%)")
+    lines += more(left, "disk warnings")
     if s.get("slurm"):
         j = s["slurm"]
         lines.append(f"slurm      job {j['job_id']} {j['state']}, nodes {j['nodes'] or '-'}, excluded "
                      f"{', '.join(j['excluded_nodes']) or 'none'}, requeues {j['requeues']}")
     if s["injections"]:
-        lines.append(f"injected   {', '.join(s['injections'])}")
+        lines.append(f"injected   {', '.join(i if isinstance(i, str) else '?' for i in s['injections'][:TOP])}" +
+                     (f" and {len(s['injections']) - TOP} more" if len(s["injections"]) > TOP else ""))
     lines.append(f"attempts   {len(s['attempts'])}" +
                  (f" ({s['recomputed_steps']} step(s) recomputed after restarts)" if s["recomputed_steps"] else ""))
     for a in s["attempts"]:
@@ -308,14 +311,6 @@ def render_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_goodput(g: dict[str, Any]) -> str:
-    """Goodput in one line, e.g. `87.2% of 120.3 s; lost: compilation and MaxText's set-up 9.1 s, ...` (top losses)."""
-    if g["goodput"] is None:
-        return "-"
-    losses = ", ".join(f"{x['label']} {x['seconds']:.1f} s" for x in g["top_losses"])
-    return f"{g['goodput']:.1%} of {g['wall_seconds']:.1f} s" + (f"; lost: {losses}" if losses else "")
-
-
 def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
     """`rkit run --wait`: print progress lines until the run reaches a final state and its job left the queue."""
     last = None
@@ -323,8 +318,8 @@ def follow(run: RunDir, echo, poll_seconds: float = 2.0) -> RunState:
     while True:
         s = status(run, digest=digest)
         digest.save()
-        line = f"{s['state']}: step {'-' if s['step'] is None else s['step'] + 1}/{s['total_steps']}, " \
-               f"committed {s['last_committed_step']}, attempts {len(s['attempts'])}"
+        line = f"{s['state']}: {progress(s['step'], s['total_steps'])}, committed " \
+               f"{num(s['last_committed_step'], '{}')}, attempts {len(s['attempts'])}"
         if line != last:
             echo(line)
             last = line
@@ -363,53 +358,15 @@ def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float,
     return list(rows.values())
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-def render_watch(s: dict[str, Any], now: float) -> Any:
-    """One frame of `rkit status --watch` (a rich renderable): progress with ETA, speed, nodes, last event."""
-    from rich.console import Group
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
-    from rich.text import Text
-
-    done = 0 if s["step"] is None else s["step"] + 1
-    head = Text.assemble((s["name"], "bold"), f"  {s['state']}",
-                         f": {s['reason']}" if s["reason"] and s["state"] != "running" else "")
-    bar = Table.grid(padding=(0, 1))
-    bar.add_row(ProgressBar(total=max(s["total_steps"], 1), completed=done, width=40),
-                f"step {done}/{s['total_steps']}", f"ETA {_duration(s['eta_seconds'])}",
-                f"{_num(s['tokens_per_sec'], '{:,.0f}')} tokens/s",
-                f"committed {_num(s['last_committed_step'], '{}')}", f"attempt {len(s['attempts']) or '-'}")
-    nodes = Table(box=None, padding=(0, 2), show_edge=False)
-    for column in ("node", "ranks", "last step", "telemetry sample"):
-        nodes.add_column(column)
-    for row in s["nodes"]:
-        age = row["telemetry_age_seconds"]
-        nodes.add_row(row["node"], ",".join(map(str, row["ranks"])) or "-", _num(row["last_step"], "{}"),
-                      "-" if age is None else f"{age:.0f} s ago")
-    parts: list[Any] = [head, bar, nodes, Text(f"goodput  {render_goodput(s['goodput'])}")]
-    parts.extend(Text(f"straggler  {st['node']} (attempt {st['attempt']}): {_num(st['ratio'], '{:.2f}')}x",
-                      style="yellow") for st in s["stragglers"])
-    last = s.get("last_event")
-    if last:
-        fields = " ".join(f"{k}={v}" for k, v in sorted(last.items()) if k not in ("t", "event")
-                          and isinstance(v, (str, int, float)))
-        parts.append(Text(f"last event  {now - last['t']:.0f} s ago: {last['event']} {fields}"[:300]))
-    return Group(*parts)
-
-
 def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callable[[], float] = time.time,
           sleep: Callable[[float], None] = time.sleep) -> RunState:
-    """`rkit status --watch`: redraw the run's state every `interval` seconds until it ends or Ctrl-C."""
+    """`rkit status --watch`: redraw the run's state every `interval` seconds, counted from the start of each
+    read (a read that takes 1.5 s is followed by 0.5 s of sleep), until it ends or Ctrl-C."""
     from rich.console import Console
     from rich.live import Live
 
     digest = new_digest(run)
+    began = clock()
     s = status(run, digest=digest)
     console = console or Console()
     with Live(render_watch(s, clock()), console=console, auto_refresh=False) as live:
@@ -419,7 +376,8 @@ def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callab
                 slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
                 if RunState(s["state"]).is_final() and slurm_done:
                     break
-                sleep(interval)
+                sleep(max(0.0, interval - (clock() - began)))
+                began = clock()
                 s = status(run, digest=digest)
                 digest.save()
         except KeyboardInterrupt:

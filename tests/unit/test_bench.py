@@ -135,8 +135,8 @@ def test_history_plots_one_point_per_result(tmp_path: Path, cli):
     done = cli("bench", "history", "--storage", str(tmp_path / "s"), "--out", str(out), check=0)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [line for line in done.stdout.splitlines() if line.startswith("000")]
-    assert [r.split()[1] for r in rows] == ["abababababab"] * 3  # labelled by image digest prefix
-    medians = [float(r.split()[2]) for r in rows]
+    assert [r.split()[1:3] for r in rows] == [[f"r{i}", "abababababab"] for i in range(3)]  # name, image prefix
+    medians = [float(r.split()[3]) for r in rows]
     assert medians[2] > medians[0] * 1.25
     empty = cli("bench", "history", "--storage", str(tmp_path / "none"), check=2)
     assert "no saved rkit bench results" in empty.stderr
@@ -179,3 +179,54 @@ def test_too_much_noise_is_called_inconclusive_not_same():
                                    {"step_time": {**b["step_time"], "samples": rounds_of(0.05, seed=2)}},
                                    compare.Limits(threshold=0.10))
     assert quiet["verdict"] == "same" and not quiet["inconclusive"]
+
+
+def test_each_round_says_when_it_starts_and_what_was_measured_so_far(tmp_path: Path):
+    lines: list[str] = []
+    medians = {"baseline": 0.010, "candidate": 0.020}
+    done = bench.run_rounds(lambda side, i: fake_round(tmp_path, i, [medians[side]] * 10), 2,
+                            ["baseline", "candidate"], lines.append)
+    assert [len(done[s]) for s in done] == [2, 2] and len(lines) == 8
+    assert lines[0] == "rkit bench: round 1/4: baseline 1 training ..."
+    assert lines[1].startswith("rkit bench: round 1/4: baseline 1: ") and "step time median 10.0 ms over" in lines[1]
+    assert lines[1].endswith("; so far baseline 10.0 ms (1 round)")
+    assert lines[3].endswith("; so far baseline 10.0 ms (1 round), candidate 20.0 ms (1 round)")
+    assert lines[7].endswith("; so far baseline 10.0 ms (2 rounds), candidate 20.0 ms (2 rounds)")
+
+
+def test_history_names_its_units_and_the_saved_names(tmp_path: Path, monkeypatch):
+    store = bench.storage(tmp_path / "s")
+    for name, median in (("base", 0.05), ("new-image", 0.07)):
+        bench.save(store, name, saved_result(tmp_path, name, median, seed=1))
+    points = bench.history_points(store, "step_time")
+    table = bench.render_history(points, "step_time").splitlines()
+    assert table[0] == "step time:" and table[1].split()[:5] == ["RESULT", "NAME", "IMAGE", "MEDIAN", "(ms)"]
+    assert "95% INTERVAL (ms)" in table[1]
+    assert table[2].split()[:3] == ["0001", "base", "abababababab"] and 45 < float(table[2].split()[3]) < 55
+    assert table[3].split()[:2] == ["0002", "new-image"]
+    rss = bench.render_history(bench.history_points(store, "host_rss"), "host_rss").splitlines()
+    assert "MEDIAN (MiB)" in rss[1] and float(rss[2].split()[3]) == 1024
+    from rkit import report
+
+    seen = {}
+    monkeypatch.setattr(report, "save_png", lambda fig, path: seen.update(
+        ylabel=fig.axes[0].get_ylabel(), ticks=[t.get_text() for t in fig.axes[0].get_xticklabels()]))
+    bench.plot_history(points, "step_time", tmp_path / "h.png")
+    assert seen["ylabel"] == "step time (ms)"
+    assert seen["ticks"] == ["0001 base\nabababababab", "0002 new-image\nabababababab"]
+
+
+def test_pytest_benchmark_histograms_work_from_the_bench_lock(tmp_path: Path):
+    """`pytest-benchmark compare --histogram` needs pygal and pygaljs: the host's bench lock pins them."""
+    lock = (Path(__file__).parents[2] / "containers" / "lock" / "bench.txt").read_text()
+    for name in ("pygal", "pygaljs"):
+        assert f"\n{name}==" in lock and "--hash=sha256:" in lock.split(f"\n{name}==")[1].split("\n")[1], name
+    pytest.importorskip("pygal")
+    store = bench.storage(tmp_path / ".benchmarks")
+    bench.save(store, "base", saved_result(tmp_path, "base", 0.05, seed=1))
+    bench.save(store, "cand", saved_result(tmp_path, "cand", 0.05, seed=2))
+    subprocess.run([sys.executable, "-m", "pytest_benchmark", "--storage", str(tmp_path / ".benchmarks"), "compare",
+                    "0001", "0002", "--histogram", str(tmp_path / "hist")], capture_output=True, text=True,
+                   check=True, cwd=tmp_path)
+    (svg,) = tmp_path.glob("hist*.svg")
+    assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()

@@ -101,3 +101,41 @@ def test_a_report_reads_each_file_once(run: RunDir, tmp_path: Path, monkeypatch)
     for name in (run.events_file, run.metrics_file(0), run.metrics_file(1), run.resolved, run.manifest):
         assert mine.get(str(name)) == 1, (name, mine)
     assert all(n == 1 for n in mine.values()), mine
+
+
+def test_plots_are_against_the_step_with_attempts_failures_and_recomputed_steps_marked(run: RunDir):
+    """By step (MaxText's numbering), a second view against wall-clock time; the hang of attempt 1 at the last
+    step it reached, attempt 2's recomputed steps 11-14 shaded; the legend outside the axes, the attempt numbers
+    above them: no label on the curves."""
+    series = report.plot_series(run)
+    assert series.failure_steps == [(14, "hang")] and report.recomputed_spans(series) == [(11, 14)]
+    fig = report.draw(series, "loss", run.name)
+    by_step, by_time = fig.axes
+    assert by_step.get_xlabel().startswith("step") and by_time.get_xlabel() == "wall-clock time (UTC)"
+    curves = [line for line in by_step.get_lines() if line.get_label() in ("attempt 1", "attempt 2")]
+    assert [list(c.get_xdata()) for c in curves] == [list(range(15)), list(range(11, 20))]
+    hang = [line for line in by_step.get_lines() if line.get_label() == "failed: hang"]
+    assert len(hang) == 1 and list(hang[0].get_xdata()) == [14, 14]
+    labels = by_step.get_legend().get_texts()
+    assert [t.get_text() for t in labels] == ["attempt 1", "attempt 2", "attempt start (#n above)", "failed: hang",
+                                             "recomputed steps (trained again after a resume)"]
+    shaded = [p for p in by_step.patches if p.get_label().startswith("recomputed")]
+    assert len(shaded) == 1 and shaded[0].get_x() == 10.5 and shaded[0].get_width() == 4.0
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in (by_step, by_time):
+        box = ax.get_window_extent(renderer)
+        numbers = [t for t in ax.texts if t.get_text().startswith("#")]
+        assert [t.get_text() for t in numbers] == ["#1", "#2"]
+        assert all(t.get_window_extent(renderer).y0 >= box.y1 for t in numbers)  # above the plotting area
+    assert by_step.get_legend().get_window_extent(renderer).x0 >= by_step.get_window_extent(renderer).x1
+
+
+def test_attempt_numbers_that_would_overprint_are_thinned():
+    marks = [(0.0, "#1"), (1.0, "#2"), (50.0, "#3"), (51.0, "#4"), (100.0, "#5")]
+    assert report._spaced(marks, 3.0) == [(0.0, "#1"), (50.0, "#3"), (100.0, "#5")]
+
+
+def test_the_summary_uses_the_step_convention(run: RunDir, tmp_path: Path):
+    report.write_report(run, tmp_path / "out")
+    assert "| steps | step 19, 20 of 20 steps done; last committed - |" in (tmp_path / "out" / "summary.md").read_text()

@@ -55,7 +55,7 @@ def test_watch_of_a_finished_run(run: RunDir):
                              clock=lambda: T0 + 130)
     assert state.value == "finished" and sleeps == []
     text = out.getvalue()
-    assert "step 20/20" in text and "n1" in text and "n3" in text and "goodput  15.4%" in text
+    assert "step 19, 20/20 done" in text and "n1" in text and "n3" in text and "goodput  15.4%" in text
     assert "last event  7 s ago: run.finished" in text
 
 
@@ -78,7 +78,7 @@ def test_watch_redraws_until_the_run_ends(run: RunDir):
         state = run_status.watch(run, console=Console(file=io.StringIO(), width=120), sleep=sleep)
     finally:
         lock.release()
-    assert state.value == "finished" and sleeps == [2.0, 2.0]
+    assert state.value == "finished" and len(sleeps) == 2 and all(1.0 < x <= 2.0 for x in sleeps)
 
 
 def test_a_cut_final_line_reads_the_state_from_what_is_committed(run: RunDir):
@@ -125,11 +125,92 @@ def test_ls_lists_finished_failed_and_running_runs(tmp_path: Path, cli):
     assert rows[0]["step"] == 19 and rows[0]["total_steps"] == 20 and rows[0]["config_hash"] == CONFIG_HASH
     assert rows[0]["image_sha256"] == IMAGE_SHA and rows[0]["launcher"] == "slurm"
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "STEP", "LOSS", "CONFIG", "IMAGE", "LAUNCHER", "JOB", "AGE"]
-    assert lines[1].split()[:3] == ["a-finished", "finished", "20/20"] and "abababababab" in lines[1]
+    assert rows[0]["steps_done"] == 20
+    assert lines[0].split() == ["NAME", "STATE", "STEP", "DONE", "LOSS", "CONFIG", "IMAGE", "LAUNCHER", "JOB", "AGE"]
+    # MaxText's step number (the last checkpoint is step 19 of a 20-step run) and the steps done
+    assert lines[1].split()[:4] == ["a-finished", "finished", "19", "20/20"] and "abababababab" in lines[1]
     assert "cdcdcdcdcdcd" in lines[1] and "d-broken" in lines[4] and "unreadable" in lines[4]
     assert "not-a-run" not in done.stdout
     one = json.loads(cli("ls", str(root / "a-finished"), "--json", check=0).stdout)
     assert [r["name"] for r in one] == ["a-finished"]
     missing = cli("ls", str(tmp_path / "nope"), check=2)
     assert "not a directory" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_watch_redraws_every_interval_from_the_start_of_each_read(run: RunDir, monkeypatch):
+    """A read that takes 1.5 s is followed by 0.5 s of sleep: a frame every 2 s, not every 3.5 s."""
+    from rich.console import Console
+
+    now = [T0 + 130.0]
+    real_status = run_status.status
+    reads = []
+
+    def slow_status(*args, **kwargs):
+        now[0] += 1.5
+        reads.append(now[0])
+        s = real_status(*args, **kwargs)
+        return {**s, "state": "running"} if len(reads) < 3 else s
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(run_status, "status", slow_status)
+    run_status.watch(run, console=Console(file=io.StringIO(), width=120), sleep=sleep, clock=lambda: now[0])
+    assert sleeps == [0.5, 0.5] and reads[2] - reads[1] == reads[1] - reads[0] == 2.0
+
+
+def many_stragglers(run: RunDir, n: int = 40) -> None:
+    for i in range(n):
+        run.emit("node.straggler", attempt=2, node=f"node{i:02d}", ratio=2.0 + i / 100, median=2.0, others_median=1.0)
+
+
+def test_status_shows_the_top_stragglers_and_counts_the_rest(run: RunDir):
+    from rich.console import Console
+
+    many_stragglers(run)
+    s = run_status.status(run)
+    assert len(s["stragglers"]) == 41  # --json keeps them all
+    text = run_status.render_status(s)
+    shown = [line.split()[1] for line in text.splitlines() if line.startswith("straggler")]
+    assert shown == ["node39", "node38", "node37", "node36", "node35"]  # the slowest first
+    assert "... and 36 more stragglers (--json lists them all)" in text
+    out = io.StringIO()
+    run_status.watch(run, console=Console(file=out, width=160), sleep=lambda _: None)
+    frame = out.getvalue()
+    assert frame.count("straggler  ") == 5 and "straggler  node39 (attempt 2): 2.39x" in frame
+    assert "... and 36 more stragglers" in frame
+
+
+def test_status_text_of_the_generated_scale_run(tmp_path: Path, cli):
+    """tests/benchmarks/status_scale.py's run (inject.fired events without a spec, disk.low and straggler events
+    in every attempt): plain `rkit status` printed a TypeError traceback (None in the injections' join)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        from status_scale import generate
+    finally:
+        sys.path.pop(0)
+    run = generate(tmp_path / "big", 2000, 200)
+    done = cli("status", str(run), check=0)
+    assert "Traceback" not in done.stderr and done.stderr == ""
+    lines = done.stdout.splitlines()
+    assert "injected   ?:rank=1,step=0, ?:rank=1,step=100, ?:rank=1,step=200, ?:rank=1,step=300, " \
+           "?:rank=1,step=400 and 15 more" in lines
+    assert sum(line.startswith("straggler") for line in lines) == 5 and sum(
+        line.startswith("disk low") for line in lines) == 5
+    assert "progress   step 1999, 2000 of 2000 steps done, last committed step -, loss 4.9980" in lines
+    s = json.loads(cli("status", "--json", str(run), check=0).stdout)
+    assert s["step"] == 1999 and s["steps_done"] == 2000 and len(s["stragglers"]) == 20
+
+
+def test_the_step_convention_of_status(run: RunDir):
+    """MaxText's own step numbers (from 0), and the count done: a 20-step run ends at step 19, 20 of 20 done."""
+    s = run_status.status(run)
+    assert s["step"] == 19 and s["steps_done"] == 20 and s["last_committed_step"] is None
+    assert "progress   step 19, 20 of 20 steps done, last committed step -" in run_status.render_status(s)
+    lines = []
+    run_status.follow(run, echo=lines.append, poll_seconds=0)
+    assert lines == ["finished: step 19, 20 of 20 steps done, committed -, attempts 2"]
