@@ -31,7 +31,9 @@ import numpy as np
 from .rundir import RunDir, _objects
 from .telemetry import goodput, metrics
 
-VERSION = 5  # 5: injections without a spec; 2: goodput's start-up in parts (EventFold.agents); 3: its restore (_Attempt.restore); 4: detection
+# 2: goodput's start-up in parts (EventFold.agents); 3: its restore (_Attempt.restore); 4: detection;
+# 5: injections without a spec
+VERSION = 5
 SIGNATURE_BYTES = 4096
 CHUNK_BYTES = 8 << 20
 # Save a digest once 1/32 of its file, at most 1 MiB, was read since its last save: a later process then re-reads
