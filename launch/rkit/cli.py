@@ -107,6 +107,8 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
             return
         state = run_status.follow(run_dir, echo=click.echo)
     click.echo(run_status.render_status(run_status.status(run_dir)))
+    if state.value in ("gave up", "interrupted"):  # the user's own command, their -o options included
+        click.echo(f"rkit: continue it with: {loaded.command('--resume')}")
     sys.exit(EXIT_CODES.get(state.value, 1))
 
 
@@ -359,8 +361,9 @@ def compare_command(runs: tuple[Path, ...], loss_tolerance: float, threshold: fl
     if len(runs) < 2:
         raise RkitError("rkit compare needs two runs or more: rkit compare RUN_A RUN_B [RUN...]")
     base = outcome.load(runs[0])
-    results = [outcomes.compare(base, outcome.load(other), outcomes.Limits(loss_tolerance, threshold))
-               for other in runs[1:]]
+    results = [outcomes.with_training_differences(
+        outcomes.compare(base, outcome.load(other), outcomes.Limits(loss_tolerance, threshold)), runs[0], other)
+        for other in runs[1:]]
     if as_json:
         click.echo(json.dumps(results if len(results) > 1 else results[0], indent=2, sort_keys=True))
     else:

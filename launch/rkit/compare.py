@@ -10,6 +10,7 @@ by more than the threshold, beyond noise. Pure functions; the CLI reads the outc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .outcome import float32_hex
@@ -155,6 +156,21 @@ def compare(a: dict[str, Any], b: dict[str, Any], limits: Limits = Limits(), *, 
             "images": [a.get("image_sha256"), b.get("image_sha256")]}
 
 
+def with_training_differences(result: dict[str, Any], run_a: Path, run_b: Path) -> dict[str, Any]:
+    """`result` with why the two runs' losses part although their configs may look alike: what MaxText derives
+    differently from them (the learning-rate schedule, from trainer.steps). Read from each run's resolved.json;
+    a run directory whose file cannot be read adds nothing here (rkit diff names it)."""
+    from .errors import RkitError
+    from .maxtext_keys import schedule_change
+    from .rundir import RunDir
+
+    try:
+        why = schedule_change(RunDir(run_a).load_resolved(), RunDir(run_b).load_resolved())
+    except (RkitError, OSError, ValueError):
+        why = None
+    return {**result, "training_differences": [why] if why else []}
+
+
 def _scalar(value: Any) -> Any:
     return value.get("median") if isinstance(value, dict) else value
 
@@ -173,6 +189,7 @@ def render(result: dict[str, Any]) -> str:
     out = [f"A {result['a']} ({sa})  vs  B {result['b']} ({sb})"]
     if result["config_hashes"][0] != result["config_hashes"][1]:
         out.append("  configs differ (rkit diff A B says how)")
+    out.extend(f"  {why}" for why in result.get("training_differences", []))
     if result["images"][0] != result["images"][1]:
         ia, ib = (str(i)[:19] if i else "no image (the host's Python)" for i in result["images"])
         out.append(f"  images differ: {ia} vs {ib}")

@@ -480,8 +480,12 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_finishes(workspace: Path, ba
 def test_a_failing_ranks_own_error_is_in_status_and_the_events(workspace: Path):
     # A value MaxText's config refuses at start-up (a list key given a word: not one of the simple types rkit
     # checks first). The ranks' own ValidationError is the diagnosis, not "exited with code 1".
-    run = run_tiny(workspace, "own-words", "-o", "trainer.overrides.ici_parallelism=abc",
-                   "-o", "resilience.max_restarts=0", expect=1)
+    extra = ["-o", "trainer.overrides.ici_parallelism=abc", "-o", "resilience.max_restarts=0"]
+    done = rkit("run", str(TINY), "-o", "name=own-words", *SHORT, *extra, cwd=workspace, env=ENV, check=1)
+    run = RunDir(workspace / "runs" / "own-words")
+    # The hint to continue is the user's own command, -o options included.
+    assert f"rkit: continue it with: rkit run {TINY} -o name=own-words {' '.join(SHORT + extra)} --resume" \
+        in done.stdout.replace("'", "")
     [failed] = events(run, "attempt.failed")
     assert "ValidationError" in failed["error"] and "ici_parallelism" in failed["error"]
     s = status_json(run)

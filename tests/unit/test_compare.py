@@ -129,3 +129,27 @@ def test_time_to_first_step_is_the_attempts_first_step_event_whichever_rank_it_n
     evs = [dict(e, rank=1) if e["event"] == "attempt.first_step" else e for e in events()]
     run = RunDir(write_run(tmp_path / "run", event_list=evs))
     assert outcome.compute(run)["time_to_first_step_seconds"] == 20
+
+
+def test_compare_says_the_learning_rate_schedule_differs_when_the_steps_do(tmp_path):
+    from rkit.recipe import load_recipe
+
+    from ..conftest import TINY
+
+    paths = []
+    for steps in (30, 40):
+        run = RunDir(tmp_path / f"s{steps}")
+        run.path.mkdir()
+        run.resolved.write_text(json.dumps(load_recipe(TINY, [f"trainer.steps={steps}"]).resolved))
+        paths.append(run.path)
+    changed = list(LOSSES)
+    changed[2] += 0.5
+    result = compare.with_training_differences(compare.compare(record(LOSSES, noisy(0.1)), record(changed, noisy(0.1))),
+                                               *paths)
+    [why] = result["training_differences"]
+    assert why.startswith("learning-rate schedule differs: 30 vs 40 steps")
+    assert f"  {why}" in compare.render(result)
+    same = compare.with_training_differences(compare.compare(record(LOSSES, [0.1]), record(LOSSES, [0.1])),
+                                             paths[0], paths[0])
+    assert same["training_differences"] == [] and "schedule" not in compare.render(same)
+    assert compare.with_training_differences({}, tmp_path / "nothing", paths[0])["training_differences"] == []

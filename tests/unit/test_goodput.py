@@ -50,13 +50,20 @@ def test_still_in_the_queue_counts_as_queue():
     assert g.goodput == 0.0
 
 
-def test_a_run_with_no_metrics_is_start_up_and_teardown():
+def test_a_run_that_failed_before_its_first_step_is_a_failed_start_up_not_start_up_time():
     evs = [{"t": 0.0, "event": "run.submitted"}, {"t": 1.0, "event": "attempt.started", "attempt": 1},
            {"t": 7.0, "event": "attempt.failed", "attempt": 1, "cls": "task_exit"},
            {"t": 9.0, "event": "attempt.ended", "attempt": 1, "cause": "task_exit"},
            {"t": 10.0, "event": "run.gave_up", "reason": "x"}]
     g = goodput.compute(evs, [])
-    assert (g.seconds["startup"], g.seconds["teardown"], g.seconds["other"]) == (6.0, 2.0, 2.0)
+    assert (g.seconds["failed_startup"], g.seconds["startup"], g.seconds["teardown"], g.seconds["other"]) == \
+        (6.0, 0.0, 2.0, 2.0)
+    assert goodput.CATEGORIES["failed_startup"].startswith("failed start-ups")
+    # Stopped by the user before its first step: start-up time, nothing failed.
+    stopped = [*evs[:2], {"t": 9.0, "event": "attempt.ended", "attempt": 1, "cause": "interrupted"},
+               {"t": 10.0, "event": "run.interrupted"}]
+    g = goodput.compute(stopped, [])
+    assert (g.seconds["failed_startup"], g.seconds["startup"]) == (0.0, 8.0)
     assert g.wall_seconds == 10.0 and g.goodput == 0.0
 
 

@@ -52,6 +52,7 @@ from . import metrics
 CATEGORIES = {
     "productive": "productive training",
     "startup": "start-up (processes, containers)",
+    "failed_startup": "failed start-ups (attempts that failed before their first step)",
     "import": "imports (Python, JAX, MaxText)",
     "distributed": "jax.distributed set-up",
     "restore": "checkpoint restore",
@@ -66,8 +67,8 @@ CATEGORIES = {
     "shutdown": "final save and shutdown",
     "other": "other",
 }
-PRIORITY = ("hang", "detect", "teardown", "shutdown", "startup", "import", "distributed", "restore", "compile", "steps",
-            "requeue", "queue")
+PRIORITY = ("hang", "detect", "teardown", "shutdown", "failed_startup", "startup", "import", "distributed", "restore",
+            "compile", "steps", "requeue", "queue")
 SESSION_START = (EV.RUN_SUBMITTED, EV.RUN_RESUMED)
 SESSION_END = (EV.RUN_FINISHED, EV.RUN_GAVE_UP, EV.RUN_INTERRUPTED)
 
@@ -241,7 +242,11 @@ def compute(events: Iterable[dict] | EventFold, lines: list[dict[str, Any]] | No
         mine = steps.get(a.number)
         first = a.first_step if a.first_step is not None else (mine.first_t if mine else None)
         if first is None:
-            intervals.append((a.started, a.failed if a.failed is not None else end, "startup"))
+            # Ended without a step for a reason of its own (not the user's stop, not a preemption): not start-up
+            # time of a run that then trained, but a start-up that failed (a bad setting, a node, memory).
+            failed = a.ended is not None and a.cause not in (None, "completed", "interrupted", "preempted")
+            intervals.append((a.started, a.failed if a.failed is not None else end,
+                              "failed_startup" if failed else "startup"))
             if a.ended is not None and a.failed is not None:
                 intervals.append((a.failed, end, "teardown"))
         else:
