@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .rundir import RunDir, _objects
+from .rundir import RunDir, valid_event
+from .safeio import MAX_LINE_BYTES, objects, open_regular
 from .telemetry import goodput, metrics
 
 # 2: goodput's start-up in parts (EventFold.agents); 3: its restore (_Attempt.restore); 4: detection;
@@ -90,12 +91,12 @@ class Mark:
 
 
 def read_new_lines(path: Path, mark: Mark, on_chunk: Callable[[list[dict]], None],
-                   on_restart: Callable[[], None]) -> Mark:
+                   on_restart: Callable[[], None], valid: Callable[[dict], bool] | None = None) -> Mark:
     """Hand the whole JSON objects appended to `path` since `mark` to `on_chunk`, a chunk at a time, and return
     the new mark. When the file is not the one `mark` read
     (replaced, truncated, rewritten, gone), `on_restart` is called first and the file is read from its start."""
     try:
-        fh = open(path, "rb")
+        fh = open_regular(path)
     except FileNotFoundError:
         if mark.offset:
             on_restart()
@@ -112,8 +113,10 @@ def read_new_lines(path: Path, mark: Mark, on_chunk: Callable[[list[dict]], None
             parts = (partial + chunk).split(b"\n")
             partial = parts.pop()
             offset += len(chunk)
-            on_chunk(list(_objects(parts)))
-        last = list(_objects([partial])) if partial.strip() else []
+            if len(partial) > MAX_LINE_BYTES:  # no record is this long: its rest fails to parse, and is skipped
+                partial = b""
+            on_chunk(list(objects(parts, valid)))
+        last = list(objects([partial], valid)) if partial.strip() else []
         if last:  # a whole object without its newline (a file written by hand): read_jsonl reads it too
             on_chunk(last)
         else:  # a line still being written (or cut by a crash) waits for its newline
@@ -142,7 +145,7 @@ class EventsDigest(_Digest):
             for e in chunk:
                 self.fold.feed(e)
 
-        self.mark = read_new_lines(path, self.mark, feed, restart)
+        self.mark = read_new_lines(path, self.mark, feed, restart, valid_event)
         return self.fold
 
 

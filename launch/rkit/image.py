@@ -57,7 +57,8 @@ def sha256_file(path: Path) -> str:
 # backends does not rebuild images. tests/unit/test_container_definitions.py checks this list is complete.
 IMAGE_SIDE_FILES = ("__init__.py", "agent.py", "config.py", "debianlock.py", "defaults.py", "determinism.py",
                     "devices.py", "envscan.py", "errors.py", "heartbeat.py",
-                    "imageinfo.py", "inject.py", "manifest.py", "rundir.py", "schema/recipe.schema.json", "stamp.py",
+                    "imageinfo.py", "inject.py", "manifest.py", "rundir.py", "safeio.py", "schema/recipe.schema.json",
+                    "stamp.py",
                     "standby.py",
                     "telemetry/__init__.py",
                     "telemetry/metrics.py", "telemetry/node.py", "telemetry/health.py", "telemetry/gpu.py",

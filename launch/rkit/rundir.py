@@ -9,11 +9,11 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import RkitError, RunDirUnwritable
+from .safeio import JsonlTail, finite, last_jsonl, load_json, read_jsonl  # noqa: F401
 from .stamp import redact
 
 if TYPE_CHECKING:
@@ -170,69 +170,39 @@ def write_json_atomic(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def _objects(raw_lines: Iterable[bytes | str]) -> Iterator[dict]:
-    """The JSON objects among lines; a line cut short by a crash (or joined to the next) is skipped."""
-    for raw in raw_lines:
-        if not raw.strip():
+# The types of the event fields readers rely on (a field may be absent or null); an event whose `t` is not a time
+# or whose `event` is not a name, or any of these of another type, is damaged and skipped.
+EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    **dict.fromkeys(("attempt", "rank", "step", "resume_from_step", "committed_step", "last_step", "exit_code",
+                     "restart_count", "processes", "index", "requested_at_step"), int),
+    **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
+                     "name", "what", "received", "config_hash"), str),
+    **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks"), list),
+    **dict.fromkeys(("changes", "tally"), dict),
+    **dict.fromkeys(("seconds", "seconds_since_start", "restore_started", "restore_seconds", "import_seconds",
+                     "distributed_seconds", "detect_seconds", "timeout", "seconds_silent", "standby_import_seconds"),
+                    float),
+}
+LATEST_T = 1e11  # seconds since 1970: the year 5138
+
+
+def valid_event(event: dict) -> bool:
+    t = event.get("t")
+    if not (finite(t) and 0 <= t < LATEST_T and isinstance(event.get("event"), str)):
+        return False
+    for key, want in EVENT_FIELD_TYPES.items():
+        value = event.get(key)
+        if value is None:
             continue
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            yield value
-
-
-def read_jsonl(path: Path) -> Iterator[dict]:
-    """Every object of a JSON-lines file (events, metrics, telemetry), in file order."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            yield from _objects(fh)
-    except FileNotFoundError:
-        return
-
-
-def last_jsonl(path: Path, tail_bytes: int = 65536) -> dict | None:
-    """The newest whole object of a JSON-lines file, read from its end: metrics and telemetry grow for days."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - tail_bytes))
-            chunk = fh.read()
-    except OSError:
-        return None
-    return next(_objects(reversed(chunk.split(b"\n"))), None)
-
-
-class JsonlTail:
-    """Follows one JSON-lines file as it grows (a line still being written waits for its newline)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-        self._partial = b""
-
-    def skip_existing(self) -> None:
-        try:
-            self.offset = self.path.stat().st_size
-        except FileNotFoundError:
-            self.offset = 0
-
-    def poll_raw(self) -> list[dict]:
-        """The whole JSON objects appended since the last poll."""
-        try:
-            with open(self.path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size < self.offset:  # truncated (MaxText empties its file when it starts from step 0)
-                    self.offset, self._partial = 0, b""
-                fh.seek(self.offset)
-                chunk = fh.read()
-                self.offset = fh.tell()
-        except FileNotFoundError:
-            return []
-        parts = (self._partial + chunk).split(b"\n")
-        self._partial = parts.pop()
-        return list(_objects(parts))
+        if want is float:
+            if not finite(value):
+                return False
+        elif want is int:
+            if not isinstance(value, int) or isinstance(value, bool) or abs(value) >= 1 << 62:
+                return False
+        elif not isinstance(value, want):
+            return False
+    return True
 
 
 class RunDir:
@@ -386,14 +356,7 @@ class RunDir:
     @staticmethod
     def _load_object(path: Path, how: str) -> dict:
         """A JSON object file of the run; a damaged one is a clear error (exit 2), never a traceback."""
-        try:
-            with open(path, "rb") as fh:
-                value = json.loads(fh.read().decode("utf-8"))
-        except OSError as exc:
-            raise RkitError(f"{path}: cannot be read: {exc.strerror}.") from None
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise RkitError(f"{path}: damaged, not a JSON object ({type(exc).__name__}: {str(exc)[:120]}); {how}. "
-                            "Restore it from a copy of the run directory.") from None
+        value = load_json(path, f"run file ({how})")
         if not isinstance(value, dict):
             raise RkitError(f"{path}: damaged, not a JSON object; {how}. Restore it from a copy of the run "
                             "directory.")
@@ -417,7 +380,8 @@ class RunDir:
         return event
 
     def events(self) -> list[dict]:
-        return list(read_jsonl(self.events_file))
+        """Every event whose fields have the vocabulary's types (valid_event); a damaged line is skipped."""
+        return list(read_jsonl(self.events_file, valid_event))
 
     # ------------------------------------------------------------ lock
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,16 @@ def test_a_report_reads_each_file_once(run: RunDir, tmp_path: Path, monkeypatch)
         reads[str(self)] += 1
         return real_read_text(self, *args, **kwargs)
 
+    real_os_open = os.open
+
+    def counting_os_open(file, flags, *args, **kwargs):  # safeio.open_regular: read-only, non-blocking
+        if isinstance(file, (str, Path)) and not flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            reads[str(Path(file))] += 1
+        return real_os_open(file, flags, *args, **kwargs)
+
     monkeypatch.setattr(builtins, "open", counting_open)
     monkeypatch.setattr(Path, "read_text", counting_read_text)
+    monkeypatch.setattr(os, "open", counting_os_open)
     report.write_report(run, tmp_path / "out")
     mine = {name: n for name, n in reads.items() if name.startswith(str(run.path))}
     for name in (run.events_file, run.metrics_file(0), run.metrics_file(1), run.resolved, run.manifest):

@@ -12,6 +12,7 @@ marks steps trained more than once. Readers also accept MaxText's raw lines (run
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,18 +53,36 @@ class StepMetrics:
     node: str | None = None
 
 
+INT_FIELDS = ("attempt", "rank", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes")
+
+
 def normalize(value: dict) -> dict[str, Any] | None:
-    """An rkit line as a dict of FIELDS (a MaxText raw line is translated); None if it has no step."""
-    if "step" not in value:
-        return None
-    try:
-        step = int(value["step"])
-    except (TypeError, ValueError):
+    """An rkit line as a dict of FIELDS (a MaxText raw line is translated); None if it has no step (or a step
+    that is not a whole number from 0). A field of the wrong type (a damaged or foreign file) reads as absent;
+    the loss may be NaN (a run that diverged), times and rates must be finite."""
+    step = value.get("step")
+    if isinstance(step, float) and math.isfinite(step) and step.is_integer():
+        step = int(step)
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 1 << 62:
         return None
     line = {key: value.get(key) for key in FIELDS}
     for raw, key in MAXTEXT_KEYS.items():
         if line.get(key) is None and raw in value:
             line[key] = value[raw]
+    for key in FIELDS:
+        v = line[key]
+        if v is None:
+            continue
+        if key == "node":
+            line[key] = v if isinstance(v, str) else None
+        elif key in INT_FIELDS:
+            line[key] = v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 62 else None
+        elif not isinstance(v, (int, float)) or isinstance(v, bool):
+            line[key] = None
+        elif key == "loss":
+            line[key] = None if math.isinf(v) else float(v)
+        elif not math.isfinite(v) or abs(v) >= 1e15 or (key == "t" and not 0 <= v < 1e11):
+            line[key] = None
     line["step"] = step
     return line
 
