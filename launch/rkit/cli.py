@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .cliopts import json_option, limits_options, overrides_option
 from .errors import RecipeError, RkitError
 
 EXIT_CODES = {"finished": 0, "gave up": 1, "interrupted": 130}
@@ -24,19 +25,6 @@ class RkitGroup(click.Group):
             click.echo(f"rkit: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
 
-
-overrides_option = click.option("-o", "--override", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
-                                help="Set a recipe value before validation (repeatable).")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-
-
-def limits_options(fn, threshold: float = 0.05):
-    """How far two outcomes may be apart and still agree (rkit compare, rkit reproduce, rkit bench)."""
-    fn = click.option("--threshold", type=click.FloatRange(0, 10), default=threshold, show_default=True,
-                      help="A metric may be worse by this fraction (0.05 = 5 %) before it counts; it counts only "
-                           "when its whole confidence interval is beyond it.")(fn)
-    return click.option("--loss-tolerance", type=click.FloatRange(0), default=0.0, show_default=True,
-                        help="Largest |loss A - loss B| per step that still agrees; 0 = bit-exact.")(fn)
 
 
 @click.group(cls=RkitGroup)
@@ -93,7 +81,7 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     from .recipe import load_recipe
 
     loaded = load_recipe(recipe, overrides)
-    injections = parse_injections(injects, loaded.processes)
+    injections = parse_injections(injects, loaded.processes, loaded.total_steps)
     if dry_run:
         click.echo(runner.dry_run(loaded, injections))
         return

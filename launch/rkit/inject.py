@@ -71,6 +71,8 @@ def parse_injection(spec: str, index: int = 0) -> Injection:
         raise RkitError(f"--inject {spec!r}: rank, step and code must be whole numbers.") from None
     if any(v < 0 for v in numbers.values()):
         raise RkitError(f"--inject {spec!r}: rank, step and code must not be negative.")
+    if "code" in numbers and not 1 <= numbers["code"] <= 255:
+        raise RkitError(f"--inject {spec!r}: code {numbers['code']} is not an exit code of a failure; give 1..255.")
     repeat = fields.get("repeat", "false").lower()
     if repeat not in ("true", "false", "1", "0", "yes", "no"):
         raise RkitError(f"--inject {spec!r}: repeat must be true or false.")
@@ -78,12 +80,17 @@ def parse_injection(spec: str, index: int = 0) -> Injection:
                      code=numbers.get("code", 1), repeat=repeat in ("true", "1", "yes"), spec=spec)
 
 
-def parse_injections(specs: list[str] | tuple[str, ...], processes: int) -> list[Injection]:
+def parse_injections(specs: list[str] | tuple[str, ...], processes: int,
+                     steps: int | None = None) -> list[Injection]:
+    """The --inject specs, checked against the run: its ranks, and its steps (0..steps-1, MaxText's numbers)."""
     injections = [parse_injection(spec, i) for i, spec in enumerate(specs)]
     for inj in injections:
         if inj.rank is not None and inj.rank >= processes:
             raise RkitError(f"--inject {inj.spec!r}: rank {inj.rank} does not exist; "
                             f"this run has ranks 0..{processes - 1}.")
+        if steps is not None and inj.step >= steps:
+            raise RkitError(f"--inject {inj.spec!r}: step {inj.step} is never reached; this run trains steps "
+                            f"0..{steps - 1} (trainer.steps={steps}).")
     return injections
 
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .image import ImageIdentity
     from .recipe import Recipe
 
-MEMO_VERSION = "v1"
+MEMO_VERSION = "v2"
 
 # Run by the Python that will train (argv: none). Prints one JSON line: {"maxtext": version, "source": ...,
 # "keys": {name: kinds-or-null}}; kinds is a list of "integer", "number", "boolean", "string", "null", or
@@ -101,7 +101,18 @@ except Exception as first:
     except Exception as exc:
         print(json.dumps({"error": f"{type(first).__name__}: {first}; {type(exc).__name__}: {exc}"}))
         sys.exit(0)
-print(json.dumps({"maxtext": version(), "source": source, "keys": keys}))
+def configs():
+    for name in ("maxtext", "MaxText"):
+        spec = util.find_spec(name)
+        if spec and spec.submodule_search_locations:
+            root = os.path.join(list(spec.submodule_search_locations)[0], "configs")
+            found = []
+            for folder, _, files in os.walk(root):
+                found += [os.path.relpath(os.path.join(folder, f), root) for f in files
+                          if f.endswith((".yml", ".yaml"))]
+            return sorted(found)[:5000]
+    return []
+print(json.dumps({"maxtext": version(), "source": source, "keys": keys, "configs": configs()}))
 """
 
 
@@ -242,8 +253,6 @@ def check(recipe: Recipe, image: ImageIdentity | None) -> str | None:
     read (no MaxText on this host for `image: none`, a MaxText whose config cannot be listed): the run goes on,
     MaxText checks them itself at start-up."""
     overrides = recipe.config.trainer.overrides or {}
-    if not overrides:
-        return None
     slurm_python = recipe.config.launcher == "slurm" and image is None and recipe.config.slurm.python
     if image is not None:
         found, where = image_keys(image), f"MaxText in image {Path(image.path).name}"
@@ -257,20 +266,62 @@ def check(recipe: Recipe, image: ImageIdentity | None) -> str | None:
                 "MaxText checks them at start-up")
     where += f" {found['maxtext']}" if found.get("maxtext") else ""
     bad = problems(overrides, found["keys"], where)
+    if (why := base_config_problem(str(recipe.config.trainer.base_config), found.get("configs"), where)):
+        bad.append(Problem("trainer.base_config", why))
     if bad:
         raise RecipeError(recipe.source, locate(recipe, bad))
     return None
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def base_config_problem(name: str, shipped: list[str] | None, where: str) -> str | None:
+    """Why MaxText could not start from this base config: a path that is not a regular YAML mapping file of at
+    most 1 MiB, or a name that is not one of the configs shipped with MaxText (`shipped`, relative to its
+    configs/; None when unknown). None when it can."""
+    import os
+    import stat
+
+    import yaml
+
+    path = Path(name).expanduser()
+    if path.is_absolute() or os.path.lexists(path) or (shipped is not None and name not in shipped and
+                                                        name.startswith((".", "~"))):
+        try:
+            info = os.stat(path)
+        except OSError as exc:
+            return f"{name!r}: {exc.strerror}; give a MaxText config file or a name from MaxText's configs/"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{name!r} is not a regular file; give a MaxText config file (YAML)"
+        if info.st_size > MAX_CONFIG_BYTES:
+            return f"{name!r} is {info.st_size / 1e6:.1f} MB, not a MaxText config (YAML, at most 1 MiB)"
+        try:
+            with open(path, "rb") as fh:
+                value = yaml.safe_load(fh.read(MAX_CONFIG_BYTES + 1))
+        except (OSError, yaml.YAMLError, ValueError, RecursionError) as exc:
+            return f"{name!r} cannot be read as YAML ({type(exc).__name__}); give a MaxText config file"
+        if not isinstance(value, dict):
+            return f"{name!r} is not a MaxText config (a YAML mapping of keys, like MaxText's configs/base.yml)"
+        return None
+    if shipped is None or name in shipped:
+        return None
+    near = difflib.get_close_matches(name, shipped, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+    return (f"{name!r} is neither a file nor a config shipped with {where} (its configs/).{hint} Give a name "
+            "such as base.yml, or a path to your own config")
+
+
 def locate(recipe: Recipe, found: list[Problem]) -> list[Problem]:
     """Each problem at its recipe line, or at the `-o` option that set it."""
     from .recipe import override_origin, recipe_lines
+    from .stamp import REDACTED, redact_value
 
     lines = recipe_lines(recipe)
     for p in found:
         origin = override_origin(recipe.overrides, p.path)
         if origin is not None:
-            p.message += f" (from -o {origin})"
+            p.message += f" (from -o {redact_value(origin, REDACTED)})"
         else:
             path = tuple(p.path.split(".", 2))
             p.line = lines.get(path) or lines.get(path[:2])

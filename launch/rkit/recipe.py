@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -141,6 +142,19 @@ def is_secret_override(key: str) -> bool:
     return key.lower().endswith(SECRET_OVERRIDE_ENDINGS)
 
 
+def _strings(value: Any, depth: int = 0) -> Iterator[str]:
+    """Every string inside a value (lists and mappings walked; the recipe loader bounds the depth)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict) and depth < 64:
+        for k, v in value.items():
+            yield from _strings(k, depth + 1)
+            yield from _strings(v, depth + 1)
+    elif isinstance(value, list) and depth < 64:
+        for v in value:
+            yield from _strings(v, depth + 1)
+
+
 def _semantic_problems(data: dict) -> list[Problem]:
     problems = []
     trainer = data.get("trainer")
@@ -150,11 +164,18 @@ def _semantic_problems(data: dict) -> list[Problem]:
             problems.append(Problem(f"trainer.overrides.{key}",
                                     f"rkit sets MaxText's '{key}' itself; use {OWNED_MAXTEXT_KEYS[key]}."))
         for key, value in sorted(overrides.items(), key=lambda kv: str(kv[0])):
+            strings = list(_strings(value))
             if isinstance(key, str) and is_secret_override(key):
                 problems.append(Problem(f"trainer.overrides.{key}", "looks like a secret; MaxText prints its "
                                         "config into the rank logs and rkit records overrides in the run "
                                         "directory. Give it to MaxText through its environment instead."))
-            elif isinstance(value, str) and "${" in value:
+            elif any(redact_value(text, "") != text for text in strings):
+                problems.append(Problem(f"trainer.overrides.{key}", "holds a credential (a password in a URL, a "
+                                        "private key); MaxText prints its config into the rank logs and rkit "
+                                        "records overrides in the run directory. Use a URL without it and give "
+                                        "the credential through the environment (e.g. the storage client's own "
+                                        "credentials file or variables)."))
+            elif any("${" in text for text in strings):
                 problems.append(Problem(f"trainer.overrides.{key}", "an interpolation (${...}) is resolved by "
                                         "MaxText outside the config hash and printed into the rank logs; write "
                                         "the value itself."))
@@ -236,7 +257,7 @@ def parse_recipe(source: str, text: str, overrides: list[str] | tuple[str, ...] 
         for p in problems:
             origin = override_origin(overrides, p.path) if p.path else None
             if origin is not None and "(from -o" not in p.message:
-                p.message += f" (from -o {origin})"
+                p.message += f" (from -o {redact_value(origin, '<redacted>')})"
             elif p.line is None and p.path and origin is None:
                 p.line = _nearest_line(lines, p.path)
         raise RecipeError(source, problems)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,15 @@ def test_maxtext_settings_from_the_environment_are_dropped():
     env = {"M_STEPS": "5", "M_LEARNING_RATE": "1", "MAXTEXT_HOME": "/x", "XLA_FLAGS": "--y", "HOME": "/root"}
     assert agent.drop_maxtext_settings_from_env(env) == ["M_LEARNING_RATE", "M_STEPS"]
     assert env == {"MAXTEXT_HOME": "/x", "XLA_FLAGS": "--y", "HOME": "/root"}
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("exit:rank=0,step=5,code=300", "code 300 is not an exit code of a failure; give 1..255"),
+    ("exit:rank=0,step=5,code=0", "code 0 is not an exit code of a failure"),
+    ("exit:rank=0,step=30", "step 30 is never reached; this run trains steps 0..29 (trainer.steps=30)"),
+    ("kill:rank=1,step=" + "9" * 30, "is never reached"),
+])
+def test_injections_are_checked_against_the_run(spec, says):
+    with pytest.raises(RkitError, match=re.escape(says)):
+        parse_injections([spec], processes=2, steps=30)
+    assert parse_injections(["exit:rank=0,step=29,code=255"], processes=2, steps=30)[0].code == 255
