@@ -99,3 +99,23 @@ def test_the_learning_rate_schedule_follows_steps_unless_it_is_fixed():
                                         load_recipe(TINY, ["trainer.steps=40", *fixed]).resolved) is None
     assert maxtext_keys.schedule_change(base, load_recipe(TINY, ["trainer.steps=30", "name=x"]).resolved) is None
     assert maxtext_keys.schedule_change({}, base) is None
+
+
+def test_base_config_is_a_yaml_mapping_file_or_a_config_maxtext_ships(tmp_path):
+    shipped = ["base.yml", "models/llama2-7b.yml"]
+    mine = tmp_path / "mine.yml"
+    mine.write_text("steps: 5\n")
+    assert maxtext_keys.base_config_problem(str(mine), shipped, "MaxText") is None
+    assert maxtext_keys.base_config_problem("models/llama2-7b.yml", shipped, "MaxText") is None
+    os_fifo = tmp_path / "fifo"
+    import os
+
+    os.mkfifo(os_fifo)
+    (tmp_path / "list.yml").write_text("- a\n- b\n")
+    refused = {"/dev/zero": "not a regular file", str(tmp_path): "not a regular file",
+               str(os_fifo): "not a regular file", str(tmp_path / "none.yml"): "No such file",
+               str(tmp_path / "list.yml"): "not a MaxText config", "bse.yml": "Did you mean 'base.yml'?",
+               "/etc/passwd": "not a MaxText config"}
+    for name, says in refused.items():
+        why = maxtext_keys.base_config_problem(name, shipped, "MaxText")
+        assert why is not None and says in why, (name, why)

@@ -216,3 +216,14 @@ def test_the_typed_view_reads_every_section_of_every_shipped_recipe():
     old = {k: v for k, v in load_recipe(TINY).resolved.items() if k not in ("observability", "slurm")}
     config = Config.from_resolved(old)
     assert config.observability.straggler_factor == 1.5 and config.slurm.container_launch
+
+
+@pytest.mark.parametrize("override,says", [
+    ("trainer.overrides.dataset_path=gs://u:hunter2@bucket/x", "holds a credential"),
+    ('trainer.overrides.data_sharding=[["${x}"]]', "an interpolation"),
+    ('trainer.overrides.extra={"a": ["https://bob:pw@host/x"]}', "holds a credential"),
+])
+def test_credentials_and_interpolations_are_refused_at_any_depth_of_an_override(override, says):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY, [override])
+    assert says in str(err.value) and "hunter2" not in str(err.value) and ":pw@" not in str(err.value)
