@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import re
 import statistics
@@ -35,6 +36,7 @@ from . import __version__
 from . import compare as outcomes
 from .errors import RkitError
 from .outcome import WARMUP_STEPS
+from .safeio import load_json
 
 DEFAULT_STORAGE = Path(".benchmarks")
 GROUP = "rkit-bench"
@@ -170,13 +172,54 @@ def load_saved(store, which: str) -> tuple[Path, dict[str, Any]]:
         raise RkitError(f"{which!r}: no saved result of that name in {store.path} (list them: "
                         f"pytest-benchmark --storage {store.path} list)")
     path = sorted(set(found), key=lambda p: p.name)[-1]
-    try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-        bench = next(b for b in document["benchmarks"] if b.get("group") == GROUP)
-        bench["extra_info"]["round_sizes"]  # noqa: B018 - an rkit result has it
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, StopIteration) as exc:
-        raise RkitError(f"{path}: not a result saved by rkit bench ({type(exc).__name__}: {exc})") from exc
+    document = load_json(path, "result saved by rkit bench (pytest-benchmark's JSON)")
+    benchmarks = document.get("benchmarks") if isinstance(document, dict) else None
+    bench = next((b for b in benchmarks if isinstance(b, dict) and b.get("group") == GROUP), None) \
+        if isinstance(benchmarks, list) else None
+    why = "no benchmark of group 'rkit'" if bench is None else _saved_problem(bench)
+    if why is not None:
+        raise RkitError(f"{path}: not a result saved by rkit bench ({why}); give one that `rkit bench run` saved")
     return Path(path), bench
+
+
+def _numbers(values: Any, nested: bool = False) -> bool:
+    """A list of finite numbers (nested: a list of such lists, one per round)."""
+    if not isinstance(values, list):
+        return False
+    if nested and values and isinstance(values[0], list):
+        return all(_numbers(v) for v in values)
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def _saved_problem(bench: dict[str, Any]) -> str | None:
+    """What in a saved rkit result is not as `rkit bench run` writes it; None when it can be compared."""
+    extra, stats = bench.get("extra_info"), bench.get("stats")
+    if not isinstance(extra, dict) or not isinstance(stats, dict):
+        return "extra_info or stats is not a mapping"
+    sizes, data = extra.get("round_sizes"), stats.get("data")
+    if not _numbers(data):
+        return "stats.data is not a list of numbers"
+    if not (isinstance(sizes, list) and sizes and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                       for n in sizes) and sum(sizes) == len(data)):
+        return "extra_info.round_sizes does not split stats.data into rounds"
+    for key in ("tokens_per_sec_per_device", "host_rss_bytes"):
+        if extra.get(key) is not None and not _numbers(extra[key], nested=True):
+            return f"extra_info.{key} is not a list of numbers per round"
+    losses = extra.get("loss_per_step")
+    if losses is not None and not (isinstance(losses, dict) and all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in losses.items())):
+        return "extra_info.loss_per_step is not a mapping of step to loss"
+    for key in ("config_hash", "image_sha256", "math_sha256", "loss_sha256"):
+        if extra.get(key) is not None and not isinstance(extra[key], str):
+            return f"extra_info.{key} is not a string"
+    peak = extra.get("device_memory_peak_bytes")
+    if peak is not None and not _numbers([peak]):
+        return "extra_info.device_memory_peak_bytes is not a number"
+    checksums = extra.get("loss_sha256_per_round")
+    if checksums is not None and not (isinstance(checksums, list) and all(isinstance(c, str) for c in checksums)):
+        return "extra_info.loss_sha256_per_round is not a list of strings"
+    return None
 
 
 def _summary(rounds: list[list[float]]) -> dict[str, Any]:
@@ -305,7 +348,10 @@ def measure(recipe_path: Path, sides: dict[str, list[str]], rounds: int,
 
 
 def json_of(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    value = load_json(path, "result saved by rkit bench (pytest-benchmark's JSON)")
+    if not isinstance(value, dict):
+        raise RkitError(f"{path}: not a result saved by rkit bench (not a JSON object)")
+    return value
 
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

@@ -7,6 +7,7 @@ Imports nothing of rkit but the schema's defaults: the agent side (inside an ima
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -148,15 +149,47 @@ class Config:
         apply_defaults(data, schema())
         data["checkpoint"]["asynchronous"] = data["checkpoint"].pop("async", None)
         data["slurm"]["extra_sbatch"] = tuple(data["slurm"].get("extra_sbatch") or ())
-        data["observability"]["prometheus"] = _build(Prometheus, data["observability"].get("prometheus") or {})
+        prometheus = data["observability"].get("prometheus")
+        data["observability"]["prometheus"] = _build(Prometheus, prometheus if isinstance(prometheus, dict) else {},
+                                                     "observability.prometheus.")
         sections = {"trainer": Trainer, "resources": Resources, "checkpoint": Checkpoint, "resilience": Resilience,
                     "observability": Observability, "slurm": Slurm}
         for key, section in sections.items():
-            data[key] = _build(section, data[key])
+            data[key] = _build(section, data[key], f"{key}.")
         data["reproducibility"] = Reproducibility(
             deterministic=bool((data.get("reproducibility") or {}).get("deterministic")))
         return _build(cls, data)
 
 
-def _build(cls: type, data: dict) -> Any:
-    return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+class ConfigTypeError(ValueError):
+    """A resolved config (a run's resolved.json) whose value has another type than the typed view declares."""
+
+
+# The annotations of the typed view, as written (from __future__ annotations), and the values each part admits.
+_ADMITS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 62,
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 1e15,
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "None": lambda v: v is None,
+    "dict[str, Any]": lambda v: isinstance(v, dict),
+    "tuple[str, ...]": lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+}
+
+
+def _check(cls: type, path: str, name: str, annotation: Any, value: Any) -> None:
+    parts = [p.strip() for p in str(annotation).split("|")]
+    if value is None:  # absent (a hand-made or older file): read as None, as before
+        return
+    if all(p in _ADMITS for p in parts) and not any(_ADMITS[p](value) for p in parts):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ConfigTypeError(f"{path}{name} is {shown}, expected {' or '.join(parts)}")
+
+
+def _build(cls: type, data: dict, path: str = "") -> Any:
+    values = {f.name: data.get(f.name) for f in fields(cls)}
+    for f in fields(cls):
+        if not isinstance(values[f.name], (Trainer, Resources, Checkpoint, Resilience, Prometheus, Observability,
+                                           Slurm, Reproducibility)):
+            _check(cls, path, f.name, f.type, values[f.name])
+    return cls(**values)

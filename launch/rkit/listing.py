@@ -5,6 +5,7 @@ of many long runs lists fast; `rkit status RUN` tells the rest."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,26 +27,33 @@ def runs_in(root: Path) -> list[RunDir]:
         children = sorted(root.iterdir(), key=lambda p: p.name)
     except OSError as exc:
         raise RkitError(f"{root}: cannot be listed: {exc.strerror}") from None
-    return [RunDir(p) for p in children if p.is_dir() and not p.is_symlink() and RunDir(p).exists()]
+    # A run directory: one that holds a resolved.json in any form (a damaged one is listed as unreadable).
+    return [RunDir(p) for p in children
+            if p.is_dir() and not p.is_symlink() and os.path.lexists(RunDir(p).resolved)]
 
 
 def row(run: RunDir, now: float | None = None) -> dict[str, Any]:
     """One run's line as data; a run whose files cannot be read says so instead of failing the listing."""
     now = time.time() if now is None else now
     try:
-        config = run.config()
-        stamp = run.load_manifest()
-        digest = new_digest(run)
-        events = digest.fold()
-        digest.save()
+        return _row(run, now)
     except RkitError as exc:
         return {"name": run.name, "path": str(run.path), "state": "unreadable", "reason": str(exc)}
+
+
+def _row(run: RunDir, now: float) -> dict[str, Any]:
+    config = run.config()
+    stamp = run.load_manifest()
+    digest = new_digest(run)
+    events = digest.fold()
+    digest.save()
     slurm = slurm_info(events) if config.launcher == "slurm" else None
     committed = maxtext.latest_committed_step(run)
     state, reason = run_state(run, events, slurm,
                               final_committed=committed is not None and committed >= config.trainer.final_step)
     last = last_jsonl(run.metrics_file(0)) or {}
     image = (stamp.get("image") or {}).get("sha256")
+    image = image if isinstance(image, str) else None  # a damaged stamp's other value: not shown
     return {
         "name": run.name, "path": str(run.path), "state": state.value, "reason": reason,
         # MaxText's own step number (from 0), and how many of total_steps are done (step + 1)

@@ -181,78 +181,79 @@ DIFF_GROUPS = ("config", "image", "packages", "environment", "hardware")
 INFO_GROUP = "run"
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
+def _flatten(value: Any, prefix: str = "", depth: int = 0) -> dict[str, Any]:
+    if isinstance(value, dict) and depth < 32:  # deeper: shown whole, not dotted
         out: dict[str, Any] = {}
         for key, sub in value.items():
-            out.update(_flatten(sub, f"{prefix}{key}."))
+            out.update(_flatten(sub, f"{prefix}{key}.", depth + 1))
         return out
     return {prefix.rstrip("."): value}
 
 
 def _latest_env_manifest(run_path: Path) -> dict[str, Any] | None:
     """The training environment as rank 0 of the newest attempt captured it."""
-    import json
-
+    from .errors import RkitError
     from .rundir import RunDir
+    from .safeio import load_json
 
     run = RunDir(run_path)
     for attempt in reversed(run.attempt_numbers()):
         path = run.env_capture(attempt, 0)
-        if path.is_file():
-            return json.loads(path.read_text(encoding="utf-8"))
+        if os.path.lexists(path):
+            value = load_json(path, "environment capture (attempts/<n>/env/rank-<r>.json)")
+            if not isinstance(value, dict):
+                raise RkitError(f"{path}: damaged, not a JSON object; rkit writes it when a rank starts. Delete "
+                                "it, or restore it from a copy of the run directory.")
+            return value
     return None
 
 
-def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
-    """A run directory or a manifest file, as the groups `rkit diff` compares."""
-    import json
+def _d(value: Any) -> dict[str, Any]:
+    """A mapping of a manifest as written, or {} where a damaged or foreign file has something else."""
+    return value if isinstance(value, dict) else {}
 
+
+def comparable_view(source: Path) -> dict[str, dict[str, Any]]:
+    """A run directory or a manifest file, as the groups `rkit diff` compares. A part of the wrong shape reads as
+    absent (a manifest from another version, or damaged): the diff then shows it as such."""
     from .errors import RkitError
     from .rundir import RunDir
+    from .safeio import load_json
     from .stamp import IDENTITY_KEYS
 
     stamp: dict[str, Any] = {}
     config: dict[str, Any] = {}
     env: dict[str, Any] | None = None
-    try:
-        if source.is_dir():
-            if not (source / "resolved.json").is_file():
-                raise RkitError(f"{source}: not an rkit run directory (no resolved.json) nor a manifest file.")
-            run = RunDir(source)
-            # Every input but the run's identity: the operational knobs too (out of the hash, not out of the diff).
-            config = {k: v for k, v in run.load_resolved().items() if k not in IDENTITY_KEYS}
-            stamp = run.load_manifest()
-            env = _latest_env_manifest(source)
-        else:
-            stamp = json.loads(source.read_text(encoding="utf-8"))
-            if not isinstance(stamp, dict):
-                raise ValueError("not a JSON object")
-            config = stamp.get("hashed_config", {})
-    except FileNotFoundError as exc:
-        raise RkitError(f"{source}: {exc.strerror}: {exc.filename}. "
-                        "Give two run directories or manifest files.") from None
-    except (ValueError, RecursionError) as exc:
-        raise RkitError(f"{source}: not a readable manifest ({type(exc).__name__}: {str(exc)[:120]}).") from None
-    if env is None:
-        env = stamp.get("host", stamp)  # a run's stamp, or an environment manifest itself
-    run_info = {k: v for k, v in stamp.get("run", {}).items()}
-    run_info.update({"hostname": env.get("system", {}).get("hostname"), "git": stamp.get("host", {}).get("git"),
-                     "injections": [i.get("spec") for i in stamp.get("injections", [])],
-                     "python_executable": env.get("python", {}).get("executable")})
+    if source.is_dir():
+        if not os.path.lexists(source / "resolved.json"):
+            raise RkitError(f"{source}: not an rkit run directory (no resolved.json) nor a manifest file.")
+        run = RunDir(source)
+        # Every input but the run's identity: the operational knobs too (out of the hash, not out of the diff).
+        config = {k: v for k, v in run.load_resolved().items() if k not in IDENTITY_KEYS}
+        stamp = run.load_manifest()
+        env = _latest_env_manifest(source)
+    else:
+        stamp = load_json(source, "manifest (a run's manifest.json, or an environment capture)")
+        if not isinstance(stamp, dict):
+            raise RkitError(f"{source}: not a manifest (a JSON object); give two run directories or manifest "
+                            "files.")
+        config = _d(stamp.get("hashed_config"))
+    env = _d(stamp.get("host", stamp) if env is None else env)  # a run's stamp, or an environment manifest
+    hardware, system = _d(env.get("hardware")), _d(env.get("system"))
+    run_info = dict(_d(stamp.get("run")))
+    injections = stamp.get("injections") if isinstance(stamp.get("injections"), list) else []
+    run_info.update({"hostname": system.get("hostname"), "git": _d(stamp.get("host")).get("git"),
+                     "injections": [i.get("spec") for i in injections if isinstance(i, dict)],
+                     "python_executable": _d(env.get("python")).get("executable")})
     return {
         "config": _flatten(config),
-        "image": _flatten(stamp.get("image", {})),
-        "packages": {"python": env.get("python", {}).get("version"), **env.get("packages", {})},
-        "environment": dict(env.get("environment", {})),
-        "hardware": _flatten({"cpu": env.get("hardware", {}).get("cpu"),
-                              "memory_bytes": env.get("hardware", {}).get("memory_bytes"),
-                              "gpu": env.get("hardware", {}).get("gpu"),
-                              "machine": env.get("hardware", {}).get("machine"),
-                              "kernel": env.get("system", {}).get("kernel"),
-                              "os": env.get("system", {}).get("os"),
-                              "jax": {k: v for k, v in env.get("jax", {}).items()
-                                      if k not in ("process_index",)}}),
+        "image": _flatten(_d(stamp.get("image"))),
+        "packages": {"python": _d(env.get("python")).get("version"), **_d(env.get("packages"))},
+        "environment": dict(_d(env.get("environment"))),
+        "hardware": _flatten({"cpu": hardware.get("cpu"), "memory_bytes": hardware.get("memory_bytes"),
+                              "gpu": hardware.get("gpu"), "machine": hardware.get("machine"),
+                              "kernel": system.get("kernel"), "os": system.get("os"),
+                              "jax": {k: v for k, v in _d(env.get("jax")).items() if k not in ("process_index",)}}),
         INFO_GROUP: _flatten(run_info),
     }
 

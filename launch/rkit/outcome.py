@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import struct
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import RkitError
 from .policy import FINAL_EVENTS
 from .rundir import EV, RunDir, write_json_atomic
+from .safeio import open_regular
 from .telemetry import goodput, metrics
 
 if TYPE_CHECKING:
@@ -82,7 +84,8 @@ def save_seconds(logs: list[Path]) -> tuple[list[float], list[float]]:
     blocking: list[float] = []
     for log in logs:
         try:
-            text = log.read_bytes()
+            with open_regular(log) as fh:  # a FIFO or /dev/zero in place of a log: skipped, not waited on
+                text = fh.read()
         except OSError:
             continue
         whole.extend(float(m) for m in SAVE_DONE.findall(text))
@@ -146,10 +149,41 @@ def load(path: Path) -> dict[str, Any]:
     """A run's outcome: its outcome.json, or computed now from its files (a run from before outcome.json, or one
     still running). Bad input is an RkitError (exit 2)."""
     run = RunDir(path).require()
-    if run.outcome_file.is_file():
+    if os.path.lexists(run.outcome_file):
         record = run.load_outcome()
         if record.get("version") != VERSION or not isinstance(record.get("loss"), dict):
             raise RkitError(f"{run.outcome_file}: not an rkit outcome record (version {record.get('version')!r}); "
                             "delete it and rkit computes the outcome again from the run's files")
+        if (why := shape_problem(record)) is not None:
+            raise RkitError(f"{run.outcome_file}: damaged ({why}); delete it and rkit computes the outcome again "
+                            "from the run's files")
         return record
     return compute(run)
+
+
+def _number(value: Any, nan: bool = False) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        math.isfinite(value) or (nan and math.isnan(value)))
+
+
+def shape_problem(record: dict[str, Any]) -> str | None:
+    """What in an outcome record (outcome.json, or a saved benchmark's) is not as rkit writes it: the loss per
+    step ({"<step>": float, NaN allowed}), each metric's samples and median (finite numbers); None when fine."""
+    per_step = record["loss"].get("per_step")
+    if not isinstance(per_step, dict):
+        return "loss.per_step is not a mapping of step to loss"
+    for step, loss in per_step.items():
+        if not (step.isdigit() and len(step) < 19) or not _number(loss, nan=True):
+            return f"loss.per_step has {step!r}: {loss!r}, not a step and its loss"
+    for key in ("step_time", "tokens_per_sec_per_device", "host_rss_bytes", "device_memory_peak_bytes"):
+        metric = record.get(key)
+        if metric is None:
+            continue
+        if not isinstance(metric, dict):
+            return f"{key} is not a summary"
+        samples = metric.get("samples", [])
+        if not isinstance(samples, list) or not all(_number(v) for v in samples):
+            return f"{key}.samples is not a list of numbers"
+        if metric.get("median") is not None and not _number(metric.get("median")):
+            return f"{key}.median is not a number"
+    return None

@@ -180,9 +180,15 @@ EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks"), list),
     **dict.fromkeys(("changes", "tally"), dict),
     **dict.fromkeys(("seconds", "seconds_since_start", "restore_started", "restore_seconds", "import_seconds",
-                     "distributed_seconds", "detect_seconds", "timeout", "seconds_silent", "standby_import_seconds"),
-                    float),
+                     "distributed_seconds", "detect_seconds", "timeout", "seconds_silent", "standby_import_seconds",
+                     "ratio", "median", "others_median", "factor", "free_bytes", "total_bytes", "fraction",
+                     "threshold", "grace_seconds"), float),
+    **dict.fromkeys(("fs", "path"), str),
 }
+# The parts of manifest.json that readers walk into (manifest.py writes them).
+MANIFEST_TYPES: dict[str, type] = {"rkit_version": str, "run": dict, "config_hash": str, "hashed_config": dict,
+                                   "image": dict, "launcher": str, "injections": list, "host": dict,
+                                   "determinism": dict, "training_changes": list, "reproduced_from": dict}
 LATEST_T = 1e11  # seconds since 1970: the year 5138
 
 
@@ -340,14 +346,34 @@ class RunDir:
 
     def config(self) -> Config:
         """The typed view of resolved.json."""
-        from .config import Config
+        from .config import Config, ConfigTypeError
 
-        return Config.from_resolved(self.load_resolved())
+        try:
+            config = Config.from_resolved(self.load_resolved())
+            for key, value in (("trainer.steps", config.trainer.steps), ("launcher", config.launcher),
+                               ("name", config.name)):
+                if value is None:
+                    raise ConfigTypeError(f"{key} is missing")
+            return config
+        except ConfigTypeError as exc:
+            raise RkitError(f"{self.resolved}: damaged: {exc}; rkit writes it once, when the run is created. "
+                            "Restore it from a copy of the run directory.") from None
 
     def load_manifest(self) -> dict:
-        if not self.manifest.exists():
+        if not os.path.lexists(self.manifest):
             return {}
-        return self._load_object(self.manifest, "rkit writes it once, when the run is created")
+        stamp = self._load_object(self.manifest, "rkit writes it once, when the run is created")
+        for key, want in MANIFEST_TYPES.items():
+            if stamp.get(key) is not None and not isinstance(stamp[key], want):
+                raise RkitError(f"{self.manifest}: damaged: {key} is a {type(stamp[key]).__name__}, not a "
+                                f"{want.__name__}; rkit writes it once, when the run is created. Restore it from a "
+                                "copy of the run directory.")
+        image = stamp.get("image") or {}
+        for key in ("sha256", "path", "reference", "kind", "flavor"):
+            if image.get(key) is not None and not isinstance(image[key], str):
+                raise RkitError(f"{self.manifest}: damaged: image.{key} is not a string. Restore it from a copy "
+                                "of the run directory.")
+        return stamp
 
     def load_outcome(self) -> dict:
         return self._load_object(self.outcome_file, "rkit writes it when the run ends; delete it and rkit "

@@ -28,9 +28,13 @@ KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR
          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-class NotRegular(RkitError, OSError):
-    """A path that is not a regular file where rkit reads one. An OSError too: readers that treat an unreadable
-    file as missing go on as they did."""
+class Unreadable(RkitError, OSError):
+    """A file rkit must read but cannot (permissions, a parent that is not a directory, I/O). An OSError too:
+    readers that treat an unreadable file as missing go on as they did."""
+
+
+class NotRegular(Unreadable):
+    """A path that is not a regular file where rkit reads one."""
 
 
 def kind_of(mode: int) -> str:
@@ -40,7 +44,13 @@ def kind_of(mode: int) -> str:
 def open_regular(path: Path | str) -> IO[bytes]:
     """`path` opened for reading if it is a regular file (after links); FileNotFoundError as open() raises it,
     NotRegular for anything else that is there."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise Unreadable(f"{path}: cannot be read: {exc.strerror or exc}. Check the file and its directory (a "
+                         "damaged run directory: restore it from a copy).") from None
     try:
         mode = os.fstat(fd).st_mode
     except OSError:

@@ -397,11 +397,15 @@ def print_log(run: RunDir, *, rank: int, attempt: int | None, follow: bool, echo
     path = run.rank_log(n, rank)
     if not path.exists():
         raise RkitError(f"{path}: no such log (attempts: {', '.join(map(str, numbers))}; ranks start at 0).")
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    import codecs
+
+    from .safeio import open_regular
+
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    with open_regular(path) as fh:  # a FIFO, a device or a directory: an error naming it, not a hang
         while True:
-            chunk = fh.read()
-            if chunk:
-                echo(chunk.rstrip("\n"))
+            if text := decoder.decode(fh.read()):
+                echo(text.rstrip("\n"))
             if not follow:
                 return
             time.sleep(0.5)
