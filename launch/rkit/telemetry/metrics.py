@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import RkitError
 from ..rundir import JsonlTail, RunDir, read_jsonl
 
 # MaxText's metrics_file keys -> rkit's
@@ -124,7 +125,10 @@ def ranks(run: RunDir) -> list[int]:
         names = os.listdir(run.metrics_dir)
     except FileNotFoundError:
         return []
-    return sorted(int(n[:-6]) for n in names if n.endswith(".jsonl") and n[:-6].isdigit())
+    except OSError as exc:  # a file, or unreadable, in place of metrics/
+        raise RkitError(f"{run.metrics_dir}: cannot be listed: {exc.strerror}; rkit writes a directory of one "
+                        "metrics file per rank there. Restore it from a copy of the run directory.") from None
+    return sorted(int(n[:-6]) for n in names if n.endswith(".jsonl") and n[:-6].isdigit() and len(n) < 26)
 
 
 def merged(run: RunDir, rank: int = 0) -> dict[int, dict]:
