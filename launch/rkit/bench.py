@@ -208,7 +208,7 @@ def _saved_problem(bench: dict[str, Any]) -> str | None:
     losses = extra.get("loss_per_step")
     if losses is not None and not (isinstance(losses, dict) and all(
             isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool)
-            for k, v in losses.items())):
+            and not abs(v) > 3.4028234663852886e38 for k, v in losses.items())):
         return "extra_info.loss_per_step is not a mapping of step to loss"
     for key in ("config_hash", "image_sha256", "math_sha256", "loss_sha256"):
         if extra.get(key) is not None and not isinstance(extra[key], str):

@@ -1,7 +1,7 @@
 """The typed view of a resolved recipe: built once after validation (or from a run's resolved.json), read by
 attribute everywhere else. The dict stays the stamp (resolved.json, the config hash); this is how code reads it.
 
-Imports nothing of rkit but the schema's defaults: the agent side (inside an image) reads it too.
+Imports nothing of rkit but the schema's defaults and errors: the agent side (inside an image) reads it too.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .defaults import apply_defaults, schema
+from .errors import RkitError
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class Trainer:
     @property
     def final_step(self) -> int:
         """MaxText trains steps 0..steps-1 and saves the last one: the run is done when it is committed."""
+        if self.steps is None:  # a damaged or hand-made resolved.json
+            raise RkitError("resolved.json: trainer.steps is missing; a run's resolved.json always has it. Restore "
+                            "it from a copy of the run directory.")
         return int(self.steps) - 1
 
 
@@ -161,7 +165,7 @@ class Config:
         return _build(cls, data)
 
 
-class ConfigTypeError(ValueError):
+class ConfigTypeError(RkitError):
     """A resolved config (a run's resolved.json) whose value has another type than the typed view declares."""
 
 

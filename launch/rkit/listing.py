@@ -58,7 +58,7 @@ def _row(run: RunDir, now: float) -> dict[str, Any]:
         "name": run.name, "path": str(run.path), "state": state.value, "reason": reason,
         # MaxText's own step number (from 0), and how many of total_steps are done (step + 1)
         "step": last.get("step"), "steps_done": last["step"] + 1 if isinstance(last.get("step"), int) else 0,
-        "total_steps": int(config.trainer.steps), "last_committed_step": committed,
+        "total_steps": config.trainer.final_step + 1, "last_committed_step": committed,
         "loss": last.get("loss"), "config_hash": stamp.get("config_hash"), "image_sha256": image,
         "launcher": config.launcher, "job_id": slurm["job_id"] if slurm else None,
         "age_seconds": round(now - events.last["t"], 1) if events.last and "t" in events.last else None,

@@ -161,6 +161,9 @@ def load(path: Path) -> dict[str, Any]:
     return compute(run)
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # a loss is compared as float32 (float32_hex)
+
+
 def _number(value: Any, nan: bool = False) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and (
         math.isfinite(value) or (nan and math.isnan(value)))
@@ -173,7 +176,7 @@ def shape_problem(record: dict[str, Any]) -> str | None:
     if not isinstance(per_step, dict):
         return "loss.per_step is not a mapping of step to loss"
     for step, loss in per_step.items():
-        if not (step.isdigit() and len(step) < 19) or not _number(loss, nan=True):
+        if not (step.isdigit() and len(step) < 19) or not _number(loss, nan=True) or abs(loss) > FLOAT32_MAX:
             return f"loss.per_step has {step!r}: {loss!r}, not a step and its loss"
     for key in ("step_time", "tokens_per_sec_per_device", "host_rss_bytes", "device_memory_peak_bytes"):
         metric = record.get(key)

@@ -349,12 +349,7 @@ class RunDir:
         from .config import Config, ConfigTypeError
 
         try:
-            config = Config.from_resolved(self.load_resolved())
-            for key, value in (("trainer.steps", config.trainer.steps), ("launcher", config.launcher),
-                               ("name", config.name)):
-                if value is None:
-                    raise ConfigTypeError(f"{key} is missing")
-            return config
+            return Config.from_resolved(self.load_resolved())
         except ConfigTypeError as exc:
             raise RkitError(f"{self.resolved}: damaged: {exc}; rkit writes it once, when the run is created. "
                             "Restore it from a copy of the run directory.") from None
