@@ -187,7 +187,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
     committed = maxtext.latest_committed_step(run)
     state, reason = run_state(run, fold, slurm,
                               final_committed=committed is not None and committed >= config.trainer.final_step)
-    total = int(config.trainer.steps)
+    total = config.trainer.final_step + 1
     processes = config.processes
     period = config.checkpoint.period
     # A live run's open session ends now; a finished or stopped one ends at its last record.
