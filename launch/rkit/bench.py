@@ -182,12 +182,10 @@ def load_saved(store, which: str) -> tuple[Path, dict[str, Any]]:
     return Path(path), bench
 
 
-def _numbers(values: Any, nested: bool = False) -> bool:
-    """A list of finite numbers (nested: a list of such lists, one per round)."""
+def _numbers(values: Any) -> bool:
+    """A list of finite numbers."""
     if not isinstance(values, list):
         return False
-    if nested and values and isinstance(values[0], list):
-        return all(_numbers(v) for v in values)
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
 
@@ -203,7 +201,8 @@ def _saved_problem(bench: dict[str, Any]) -> str | None:
                                                        for n in sizes) and sum(sizes) == len(data)):
         return "extra_info.round_sizes does not split stats.data into rounds"
     for key in ("tokens_per_sec_per_device", "host_rss_bytes"):
-        if extra.get(key) is not None and not _numbers(extra[key], nested=True):
+        rounds = extra.get(key)
+        if rounds is not None and not (isinstance(rounds, list) and all(_numbers(r) for r in rounds)):
             return f"extra_info.{key} is not a list of numbers per round"
     losses = extra.get("loss_per_step")
     if losses is not None and not (isinstance(losses, dict) and all(

@@ -182,11 +182,15 @@ def shape_problem(record: dict[str, Any]) -> str | None:
         metric = record.get(key)
         if metric is None:
             continue
-        if not isinstance(metric, dict):
-            return f"{key} is not a summary"
-        samples = metric.get("samples", [])
+        if not isinstance(metric, dict):  # a peak is one number
+            if not _number(metric):
+                return f"{key} is neither a number nor a summary"
+            continue
+        samples, n, median = metric.get("samples"), metric.get("n"), metric.get("median")
         if not isinstance(samples, list) or not all(_number(v) for v in samples):
             return f"{key}.samples is not a list of numbers"
-        if metric.get("median") is not None and not _number(metric.get("median")):
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0) or (n and not samples):
+            return f"{key}.n does not count its samples"
+        if median is not None and not _number(median):
             return f"{key}.median is not a number"
     return None

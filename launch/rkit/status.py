@@ -131,7 +131,7 @@ def slurm_info(events: list[dict] | StatusFold) -> dict[str, Any] | None:
             "nodes": live.get("nodes") or (started[-1].get("allocation") if started else None),
             "excluded_nodes": fold.excluded,
             # SLURM_RESTART_COUNT counts every requeue of the job, Slurm's own (node failure) and rkit's.
-            "requeues": max((e.get("restart_count", 0) for e in started), default=0),
+            "requeues": max((e.get("restart_count") or 0 for e in started), default=0),
             "restart_count": started[-1].get("restart_count") if started else None}
 
 
