@@ -8,6 +8,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .safeio import open_regular
+
 # Orbax/TensorStore report a failed write as RESOURCE_EXHAUSTED ("Error writing ..."); Python and the C library
 # as ENOSPC / EDQUOT. XLA's out-of-memory is RESOURCE_EXHAUSTED too, but never about writing.
 DISK_FULL = re.compile(rb"No space left on device|Disk quota exceeded|\[Errno 28\]|\[Errno 122\]"
@@ -87,7 +89,7 @@ class LogScan:
 
     def _new_lines(self, path: Path) -> list[bytes]:
         try:
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:
                 fh.seek(self._offsets.get(path, 0))
                 chunk = fh.read(MAX_READ)
                 self._offsets[path] = fh.tell()
@@ -98,14 +100,22 @@ class LogScan:
         return parts
 
 
-def last_error_lines(path: Path, lines: int = 5, tail_bytes: int = 65536) -> list[str]:
-    """A rank's last lines that look like an error (a Python exception, an absl/XLA error), newest last."""
+def tail_text(path: Path, tail_bytes: int = 65536) -> str | None:
+    """The end of a rank's log as text; None when it cannot be read (missing, or not a regular file: a FIFO in
+    its place must not stall the supervisor)."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             fh.seek(0, 2)
             fh.seek(max(0, fh.tell() - tail_bytes))
-            text = fh.read().decode("utf-8", "replace")
+            return fh.read(tail_bytes).decode("utf-8", "replace")
     except OSError:
+        return None
+
+
+def last_error_lines(path: Path, lines: int = 5, tail_bytes: int = 65536) -> list[str]:
+    """A rank's last lines that look like an error (a Python exception, an absl/XLA error), newest last."""
+    text = tail_text(path, tail_bytes)
+    if text is None:
         return []
     hits = [line.strip() for line in text.splitlines()
             if re.search(r"Error|Exception|RESOURCE_EXHAUSTED|DATA_LOSS|NOT_FOUND|Traceback|^E\d{4} ", line)]
@@ -131,12 +141,8 @@ def rank_error(path: Path, tail_bytes: int = 65536) -> str | None:
     None when its log says nothing of the kind. Credentials in URLs are masked."""
     from .stamp import REDACTED, redact_value
 
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - tail_bytes))
-            text = fh.read().decode("utf-8", "replace")
-    except OSError:
+    text = tail_text(path, tail_bytes)
+    if text is None:
         return None
     lines = [line.strip() for line in text.splitlines()]
     found = None

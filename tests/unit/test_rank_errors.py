@@ -84,3 +84,12 @@ def test_no_memory_controller_says_nothing(tmp_path):
     assert oomkills.memory_cgroup(os.getpid(), tmp_path) is None
     assert oomkills.oom_kills(tmp_path) is None and oomkills.memory_limit(tmp_path) is None
     assert oomkills.OomWatch({}).killed() is None
+
+
+def test_a_fifo_in_place_of_a_rank_log_says_nothing_and_never_waits(tmp_path):
+    from rkit.ranklogs import LogScan, last_error_lines
+
+    fifo = tmp_path / "rank-1.log"
+    os.mkfifo(fifo)  # no writer: a blocking open would wait forever
+    assert rank_error(fifo) is None and last_error_lines(fifo) == []
+    assert LogScan([fifo], clock=lambda: 0.0).scan(force=True) == {}
