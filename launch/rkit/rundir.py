@@ -173,8 +173,9 @@ def write_json_atomic(path: Path, value: Any) -> None:
 # The types of the event fields readers rely on (a field may be absent or null); an event whose `t` is not a time
 # or whose `event` is not a name, or any of these of another type, is damaged and skipped.
 EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    **dict.fromkeys(("attempt", "rank", "step", "resume_from_step", "committed_step", "last_step", "exit_code",
+    **dict.fromkeys(("attempt", "rank", "resume_from_step", "committed_step", "last_step", "exit_code",
                      "restart_count", "processes", "index", "requested_at_step"), int),
+    "step": (int, str),  # a training step, or a standby step's name (`standby` notes: "standby-2")
     **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
                      "name", "what", "received", "config_hash"), str),
     **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks"), list),

@@ -601,3 +601,25 @@ def test_the_progress_message_names_the_phase_then_the_final_save(tmp_path):
     assert sup.run_to_end() is RunState.FINISHED
     assert seen[0] == "attempt 1: starting" and "attempt 1: starting processes (0/2)" in seen
     assert "attempt 1" in seen  # training
+
+
+def test_every_event_rkit_writes_passes_the_vocabularys_field_types(tmp_path):
+    # The readers skip an event whose fields have other types than EVENT_FIELD_TYPES says; the notes rkit itself
+    # writes (a standby step's name in `step`, lists of nodes) must never be among them.
+    from rkit.rundir import valid_event
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.emit(EV.STANDBY, attempt=1, what="ready", step="standby-2", nodes=["c2"], pids={"0": 7}, import_seconds=3.2)
+    run.emit(EV.ATTEMPT_FAILED, attempt=1, cls="task_exit", rank=1, exit_code=1, signal=None, last_step=6,
+             node="n2", lost_nodes=[], error="ValueError: x")
+    run.emit(EV.NODES_EXCLUDED, nodes=["c2"], excluded=["c2"], healthy=["c1", "c3"], reason="dead")
+    run.emit(EV.JOB_STARTED, job_id="7", restart_count=0, batch_host="h", allocation=["c1"], excluded=[])
+    run.emit(EV.INJECT_FIRED, index=0, kind="hang", rank=1, step=15, attempt=1, spec="hang:rank=1,step=15")
+    lines = [json.loads(line) for line in run.events_file.read_text().splitlines()]
+    assert all(valid_event(e) for e in lines) and len(run.events()) == 5
+    (tmp_path / "loop").mkdir()
+    sup, _ = make(tmp_path / "loop", Script(exit=(1, 6, 3)))
+    assert sup.run_to_end() is RunState.FINISHED
+    written = [json.loads(line) for line in sup.run.events_file.read_text().splitlines()]
+    assert [e["event"] for e in written if not valid_event(e)] == []
