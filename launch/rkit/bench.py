@@ -36,7 +36,7 @@ from . import __version__
 from . import compare as outcomes
 from .errors import RkitError
 from .outcome import WARMUP_STEPS
-from .safeio import load_json
+from .safeio import load_json, private_dir
 
 DEFAULT_STORAGE = Path(".benchmarks")
 GROUP = "rkit-bench"
@@ -67,6 +67,7 @@ def storage(path: Path):
         raise RkitError(f"rkit bench needs pytest-benchmark ({exc}); `make setup` installs it") from exc
     if path.exists() and not path.is_dir():
         raise RkitError(f"{path}: the benchmark storage must be a directory (--storage)")
+    private_dir(path)  # pytest-benchmark would make it 0755
     return FileStorage(str(path), _Quiet(), default_machine_id=get_machine_id())
 
 
@@ -153,8 +154,11 @@ def machine_and_commit() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def save(store, name: str, document: dict[str, Any]) -> Path:
     before = set(store.query("[0-9][0-9][0-9][0-9]_*"))
+    if store.default_machine_id:
+        private_dir(store.path / store.default_machine_id)  # pytest-benchmark would make it 0755
     store.save(document, name)
     (path,) = set(store.query("[0-9][0-9][0-9][0-9]_*")) - before
+    path.chmod(0o600)  # pytest-benchmark writes it 0644
     return path
 
 

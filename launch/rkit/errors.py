@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .stamp import REDACTED, redact_value
+
 
 class RkitError(Exception):
     """A problem the user can fix. The message says what was given, what is valid and what to do."""
@@ -40,7 +42,7 @@ class Problem:
     def render(self, source: str) -> str:
         where = f"{source}:{self.line}" if self.line else source
         key = self.path or "(top level)"
-        return f"{where}: {key}: {self.message}"
+        return redact_value(f"{where}: {key}: {self.message}", REDACTED)  # a message may quote the value
 
     def as_dict(self) -> dict:
         return {"path": self.path, "line": self.line, "message": self.message}

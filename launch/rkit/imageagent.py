@@ -25,6 +25,7 @@ from typing import Any
 from .errors import RkitError
 from .image import IMAGE_SIDE_FILES, cache_dir, sha256_tree
 from .rundir import write_json_atomic
+from .safeio import private_dir
 
 IMAGE_PYTHONS = ("/opt/venv/bin/python", "python3")  # rkit's images first, then the image's own PATH
 AGENT_DIR = "agent"  # <run>/agent: holds the bound copy of the rkit package
@@ -80,7 +81,7 @@ def probe(apptainer: str, sif: str, sha256: str) -> dict[str, Any]:
     except (OSError, ValueError):
         found = _run_probe(apptainer, sif)
         try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(memo.parent)
             write_json_atomic(memo, found)
         except OSError:
             pass  # a read-only cache: probe again next time

@@ -36,6 +36,7 @@ from .image import (
     sha256_tree,
 )
 from .rundir import write_atomic
+from .safeio import private_dir
 from .stamp import canonical_json
 
 
@@ -185,7 +186,7 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
     from spython.utils import stream_command
 
     exe = apptainer()
-    plan.sif.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(plan.sif.parent)
     log = log or plan.sif.with_suffix(".build.log")
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="rkit-build-", dir=plan.sif.parent) as tmp:
@@ -202,7 +203,8 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
         failed = None
         before = os.environ.get("SOURCE_DATE_EPOCH")
         os.environ["SOURCE_DATE_EPOCH"] = str(plan.epoch)  # mksquashfs, debootstrap's tools, Apptainer >= 1.5
-        with open(log, "w", encoding="utf-8") as fh:
+        with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w",
+                       encoding="utf-8") as fh:
             fh.write(" ".join(argv) + "\n")
             try:
                 # In the context: %files takes its sources relative to the build's working directory, so no
@@ -222,11 +224,12 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
             raise RkitError(f"apptainer build of {plan.definition.name} failed (exit {failed}); "
                             f"the last lines of {log}:\n{_tail(log)}")
         imagerepro.normalize_sif(partial, plan.epoch)
+        os.chmod(partial, 0o600)  # the cache is the user's own (its folder is 0700 when rkit made it)
         os.replace(partial, plan.sif)  # atomic: the cache never holds half an image
     record = {"flavor": plan.flavor, "key": plan.key, "key_material": plan.key_material, "path": str(plan.sif),
               "sha256": sha256_file(plan.sif), "size_bytes": plan.sif.stat().st_size,
               "build_seconds": round(time.time() - started, 1), "built": time.time(), "log": str(log)}
-    plan.record.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_atomic(plan.record, json.dumps(record, indent=2, sort_keys=True) + "\n")
     record["cached"] = False
     return record
 

@@ -25,12 +25,13 @@ KEY_PACKAGES = ("jax", "jaxlib", "maxtext", "orbax-checkpoint", "flax")
 _TOOL_TIMEOUT = 10
 
 
-def _run(argv: list[str]) -> str | None:
-    """Output of a probe command, or None when it is absent, fails or hangs."""
+def _run(argv: list[str], env: dict[str, str] | None = None) -> str | None:
+    """Output of a probe command, or None when it is absent, fails or hangs. An argv list, never a shell; no stdin."""
     if shutil.which(argv[0]) is None:
         return None
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=_TOOL_TIMEOUT, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=_TOOL_TIMEOUT,
+                              check=False, stdin=subprocess.DEVNULL, env=env)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -118,15 +119,68 @@ def os_release() -> str | None:
     return None
 
 
+# Every git rkit runs on a recipe's repository: that repository may be hostile (an unpacked archive), and git's
+# safe.directory does not cover trees owned by the same user. The -c options come first so they win over its config.
+_GIT_HARDENED = ("git", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "--no-optional-locks")
+_GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat", "GIT_OPTIONAL_LOCKS": "0"}
+# Config keys (section.[subsection.]variable, subsection as "*") naming a command git could run, or (includes) a
+# file that could name one. Found in the repository's own config, they keep rkit from running `git status`.
+_COMMAND_KEYS = frozenset({
+    "filter.*.clean", "filter.*.smudge", "filter.*.process", "core.fsmonitor", "diff.*.textconv", "diff.*.command",
+    "diff.external", "core.sshcommand", "core.pager", "core.editor", "include.path", "includeif.*.path",
+    "core.hookspath"})
+_GIT_BOOLEANS = frozenset({"", "true", "false", "yes", "no", "on", "off", "1", "0"})
+
+
+def _git(where: str, *args: str) -> str | None:
+    return _run([*_GIT_HARDENED, "-C", where, *args], env={**os.environ, **_GIT_ENV})
+
+
+def _command_keys(listing: str) -> list[str]:
+    """The keys of `git config --list --show-scope -z` output, of the repository's own (local, worktree) scopes,
+    that name commands. Entries pulled in by an include from the local config show the local scope too."""
+    fields = listing.split("\0")
+    found: list[str] = []
+    for scope, entry in zip(fields[0::2], fields[1::2], strict=False):
+        key, _, value = entry.partition("\n")
+        if scope not in ("local", "worktree"):
+            continue
+        section, _, rest = key.partition(".")
+        subsection, _, variable = rest.rpartition(".")
+        shape = ".".join(p for p in (section.lower(), "*" if subsection else "", variable.lower()) if p)
+        if shape == "core.fsmonitor" and value.strip().lower() in _GIT_BOOLEANS:
+            continue  # on/off (git's own daemon, which -c core.fsmonitor=false turns off anyway), not a command
+        if shape in _COMMAND_KEYS and key not in found:
+            found.append(key)
+    return found
+
+
 def git_state(path: Path) -> dict[str, Any]:
-    """Commit and dirty flag of the repository holding `path` (a recipe), or {"repository": False}."""
+    """Commit and dirty flag of the repository holding `path` (a recipe), or {"repository": False}.
+
+    "dirty" is None, with "dirty_unknown" saying why, where rkit could not safely ask: `git status` would run
+    commands the repository's own config names (a clean filter, an fsmonitor), or git could not answer."""
     where = str(path if path.is_dir() else path.parent)
-    commit = _run(["git", "-C", where, "rev-parse", "HEAD"])
+    commit = _git(where, "rev-parse", "HEAD")
     if commit is None:
         return {"repository": False}
-    status = _run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"])
-    top = _run(["git", "-C", where, "rev-parse", "--show-toplevel"])
-    return {"repository": True, "commit": commit, "dirty": bool(status), "root": top}
+    state: dict[str, Any] = {"repository": True, "commit": commit, "dirty": None}
+    listing = _git(where, "config", "--list", "--show-scope", "-z")  # runs nothing config-driven; git >= 2.26
+    unsafe = _command_keys(listing) if listing is not None else []
+    if listing is None:
+        state["dirty_unknown"] = ("git could not list the repository's config (git older than 2.26, or a damaged "
+                                  "config), so rkit did not run git status")
+    elif unsafe:
+        state["dirty_unknown"] = (f"the repository's own config names commands ({', '.join(unsafe)}); rkit runs "
+                                  "none of them, so it did not run git status")
+    else:
+        status = _git(where, "status", "--porcelain", "--untracked-files=no", "--ignore-submodules=all")
+        if status is None:
+            state["dirty_unknown"] = "git status failed or timed out"
+        else:
+            state["dirty"] = bool(status)
+    state["root"] = _git(where, "rev-parse", "--show-toplevel")
+    return state
 
 
 def jax_info() -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import Problem, RecipeError, RkitError
 from .image import apptainer, cache_dir
 from .rundir import write_json_atomic
+from .safeio import private_dir
 
 if TYPE_CHECKING:
     from .image import ImageIdentity
@@ -141,7 +142,7 @@ def _memoised(memo: Path, argv: list[str]) -> dict[str, Any]:
     found = _run(argv)
     if isinstance(found.get("keys"), dict):
         try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(memo.parent)
             write_json_atomic(memo, found)
         except OSError:
             pass  # a read-only cache: read them again next time

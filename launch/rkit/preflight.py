@@ -30,6 +30,16 @@ def shared_paths(run: RunDir, backend: Backend, image: ImageIdentity | None, att
         raise RkitError(reason)
 
 
+def no_planted_links(run: RunDir, attempt: int) -> None:
+    """Before every attempt: no symbolic link where rkit or a rank writes (a rank would die on it, O_NOFOLLOW,
+    and the same traceback on every rank would read as a crash loop)."""
+    if links := run.planted_links():
+        reason = (f"planted link before attempt {attempt}: {links[0]} is a symbolic link; rkit does not write "
+                  "through links in a run directory. Remove it, check the run directory, and resume.")
+        run.emit(EV.RUN_GAVE_UP, reason=reason)
+        raise RkitError(reason)
+
+
 def image_unchanged(run: RunDir, image: ImageIdentity | None, attempt: int) -> ImageIdentity | None:
     """Before every attempt: the SIF must be the one the run was stamped with, or a rebuild holding the same
     environment (never silently run different software). Returns the image to run: a rebuilt one is recorded

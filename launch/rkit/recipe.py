@@ -171,7 +171,7 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                         "directory. Give it to MaxText through its environment instead."))
             elif any(redact_value(text, "") != text for text in strings):
                 problems.append(Problem(f"trainer.overrides.{key}", "holds a credential (a password in a URL, a "
-                                        "private key); MaxText prints its config into the rank logs and rkit "
+                                        "token, a private key); MaxText prints its config into the rank logs and rkit "
                                         "records overrides in the run directory. Use a URL without it and give "
                                         "the credential through the environment (e.g. the storage client's own "
                                         "credentials file or variables)."))
@@ -222,7 +222,27 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                                       "directory, so set it in the environment of `rkit run` "
                                                       "instead (training processes inherit it and it is never "
                                                       "recorded)."))
+    for where, text in _paths_of_strings(data):
+        if where.split(".")[0] != "env" and not where.startswith("trainer.overrides") \
+                and redact_value(text, "") != text:
+            problems.append(Problem(where, "holds a credential (a password in a URL, a token, a private key); "
+                                           "recipes are copied into the run directory and its records. Give it "
+                                           "through the environment of `rkit run` instead."))
     return problems
+
+
+def _paths_of_strings(value: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str, str]]:
+    """(dotted key path, string) for every string inside the recipe, keys included."""
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, dict) and depth < 64:
+        for k, v in value.items():
+            inner = f"{where}.{k}" if where else str(k)
+            yield from _paths_of_strings(k, inner, depth + 1)
+            yield from _paths_of_strings(v, inner, depth + 1)
+    elif isinstance(value, list) and depth < 64:
+        for i, v in enumerate(value):
+            yield from _paths_of_strings(v, f"{where}[{i}]", depth + 1)
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

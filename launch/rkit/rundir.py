@@ -269,9 +269,11 @@ class RunDir:
     def launcher_log(self, attempt: int) -> Path:
         return self.attempt_dir(attempt) / self.launcher_log_name
 
+    standby_dir = property(lambda self: self.path / "standby")
+
     def standby_step_dir(self, k: int) -> Path:
         """standby/step-<k>/: a Slurm standby step's task logs and srun output (backends/slurm_standby.py)."""
-        return self.path / "standby" / f"step-{k}"
+        return self.standby_dir / f"step-{k}"
 
     def env_capture(self, attempt: int, rank: int) -> Path:
         """One rank's environment manifest, written by its agent."""
@@ -316,14 +318,21 @@ class RunDir:
         return self.telemetry_dir / f"{node}.exporter.json"
 
     def planted_links(self) -> list[Path]:
-        """The directories rkit writes into (and those of every attempt) that are symbolic links: a link planted
-        as a parent would carry every write below it elsewhere, which O_NOFOLLOW on the file cannot see."""
+        """The directories rkit, MaxText and the agent's copy write into (and those of every attempt) that are
+        symbolic links, and the links inside them: a link planted as a parent would carry every write below it
+        elsewhere, which O_NOFOLLOW on the file cannot see; a file link (metrics/0.jsonl) would end every rank."""
         dirs = [self.path, self.attempts_dir, self.metrics_dir, self.telemetry_dir, self.checkpoints,
-                self.orbax_dir, self.report_dir]
+                self.orbax_dir, self.report_dir, self.tensorboard_dir, self.path / "agent", self.standby_dir]
         if self.attempts_dir.is_dir() and not self.attempts_dir.is_symlink():
             for attempt in self.attempts_dir.iterdir():
                 dirs += [attempt, attempt / "env", attempt / "maxtext", attempt / "stacks"]
-        return [d for d in dirs if d.is_symlink()]
+        links = {d for d in dirs if d.is_symlink()}
+        for d in dirs:
+            try:
+                links.update(entry for entry in d.iterdir() if entry.is_symlink())
+            except OSError:  # absent, a link (already named), not a directory
+                pass
+        return sorted(links)
 
     def refuse_planted_links(self) -> None:
         """PlantedLink (exit 2) naming the first linked directory, before anything is written below it."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__, determinism, imageagent, imageenv, manifest, maxtext_keys
+from . import __version__, access, determinism, imageagent, imageenv, manifest, maxtext_keys
 from .backends.local import Container, LocalBackend
 from .config import Config
 from .errors import RkitError, RunDirUnwritable
@@ -23,6 +23,7 @@ from .policy import Progress, RunState
 from .recipe import Recipe, parse_recipe
 from .recipe_yaml import PATH_CHARS_WHY, unsafe_path_chars
 from .rundir import EV, RunDir, RunLock, set_access, write_atomic, write_json_atomic
+from .safeio import private_dir
 from .stamp import canonical_json, hashed_config, is_secret_name, redact
 from .supervisor import Supervisor, default_jax_cache_dir
 from .trainers import maxtext
@@ -66,6 +67,7 @@ def open_run(recipe: Recipe, *, resume: bool, injections: list[Injection], image
         if created:
             stamp(run, recipe, injections, image, extra_stamp or {})
         else:
+            access.restore(run, mask, recipe.config.access)
             if changes := check_resume(run, recipe, image):
                 why = maxtext_keys.schedule_change(run.load_resolved(), recipe.resolved)
                 apply_changes(run, recipe, changes, training_change=why)
@@ -261,7 +263,7 @@ def supervise(run_path: Path) -> RunState:
         fields = {k: v for k, v in stamp["image"].items() if k != "kind"}
         image = ImageIdentity(**fields)
     jax_cache = default_jax_cache_dir()
-    Path(jax_cache).mkdir(parents=True, exist_ok=True)
+    private_dir(jax_cache)
     config = Config.from_resolved(resolved)
     set_access(config.access)
     res = config.resources
@@ -418,7 +420,7 @@ def execute(recipe: Recipe, *, image: ImageIdentity | None, resume: bool, inject
         host = dict(os.environ)
         container = None
         if image is not None:
-            Path(jax_cache).mkdir(parents=True, exist_ok=True)
+            private_dir(jax_cache)
             container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
                                   binds=(str(run.path.resolve()), jax_cache), python=image.python,
                                   agent_path=bound_agent(run, image))

@@ -63,6 +63,23 @@ def open_regular(path: Path | str) -> IO[bytes]:
     return os.fdopen(fd, "rb")
 
 
+def private_dir(path: Path | str) -> Path:
+    """`path`, every directory made on the way to it created 0700 (a cache, the benchmark storage: what one user
+    keeps for themselves). Directories already there keep their modes (a cache shared on purpose stays shared)."""
+    path = Path(path)
+    missing = []
+    at = path
+    while not os.path.lexists(at) and at != at.parent:
+        missing.append(at)
+        at = at.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+    return path
+
+
 def read_bytes(path: Path | str, limit: int, what: str = "file") -> bytes:
     """At most `limit` bytes of a regular file; a longer one is an RkitError."""
     with open_regular(path) as fh:

@@ -22,6 +22,12 @@ SECRET_PARTS = ("PASS", "PAT", "SESSION")
 # Values that are secret whatever their name: a URL's password (scheme://user:password@host) and key blocks.
 SECRET_VALUE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)(?P<secret>[^@\s/]+)@")
 PRIVATE_BLOCK = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
+# Tokens whose shape says what they are, whatever their key: GitHub, GitLab, Hugging Face, AWS access key ids,
+# Slack, Google API keys, OpenAI/Anthropic-style keys, JSON Web Tokens.
+TOKEN_SHAPE = re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{22,}|glpat-[A-Za-z0-9_-]{20,}"
+                         r"|hf_[A-Za-z0-9]{30,}|(?:AKIA|ASIA)[0-9A-Z]{16}|xox[abposr]-[A-Za-z0-9-]{10,}"
+                         r"|AIza[0-9A-Za-z_-]{35}|sk-[A-Za-z0-9_-]{20,}"
+                         r"|eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,})")
 
 
 def is_secret_name(name: str) -> bool:
@@ -32,10 +38,11 @@ def is_secret_name(name: str) -> bool:
 
 
 def redact_value(value: str, marker: str) -> str:
-    """A value with its secret parts replaced by `marker`: a URL's password, or all of a private key block."""
+    """A value with its secret parts replaced by `marker`: a URL's password, a token of a known shape, or all of
+    a private key block."""
     if PRIVATE_BLOCK.search(value):
         return marker
-    return SECRET_VALUE.sub(lambda m: f"{m.group('head')}{marker}@", value)
+    return TOKEN_SHAPE.sub(marker, SECRET_VALUE.sub(lambda m: f"{m.group('head')}{marker}@", value))
 
 
 REDACTED = "<redacted>"

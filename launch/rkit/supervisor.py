@@ -137,6 +137,7 @@ class Supervisor:
         preflight.shared_paths(self.run, self.backend, self.image, self.next_attempt_number())
         vendor = preflight.gpu_vendor(self.config.gpus_per_node, self.image)
         while True:
+            preflight.no_planted_links(self.run, self.next_attempt_number())
             self.image = preflight.image_unchanged(self.run, self.image, self.next_attempt_number())
             if unfit := preflight.gpu_health(self.run, self.backend, vendor, self.next_attempt_number()):
                 self._exclude(sorted(unfit), reason="GPU health check: " + "; ".join(

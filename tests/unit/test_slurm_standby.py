@@ -19,16 +19,20 @@ from rkit.rundir import RunDir
 # for the order and writes it to order-<task>.json beside its step's logs.
 FAKE_SRUN = """#!{python}
 import json, os, socket, sys, threading
+from rkit import standby
 if os.environ.get("FAKE") == "die":
     sys.exit(1)
 host, _, port = os.environ["RKIT_STANDBY_ADDRESS"].rpartition(":")
+token = os.environ["RKIT_STANDBY_TOKEN"]
 out = os.path.dirname(next(a for a in sys.argv if a.startswith("--output="))[len("--output="):])
 def task(t):
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(f"{{os.environ['RKIT_STANDBY_TOKEN']}} {{t}} {{1000 + t}} 1.5\\n".encode())
+        said = conn.makefile("rb").readline()
+        conn.sendall(standby.hello_line(token, said.split()[1].decode(), t, 1000 + t, 1.5, f"n{{t}}"))
         line = conn.makefile("rb").readline()
-    if line:
-        open(os.path.join(out, f"order-{{t}}.json"), "wb").write(line)
+    order = standby.check_order(token, f"n{{t}}", line) if line else None
+    if order is not None:
+        open(os.path.join(out, f"order-{{t}}.json"), "w").write(json.dumps(order))
 node = next(a for a in sys.argv if a.startswith("--nodelist="))[len("--nodelist="):]
 ntasks = int(next(a for a in sys.argv if a.startswith("--ntasks="))[len("--ntasks="):])
 tasks = [threading.Thread(target=task, args=(t,))
@@ -115,7 +119,8 @@ def test_the_spare_is_warm_too_and_an_attempt_on_it_gets_each_tasks_rank(tmp_pat
     steps = pool.take(second)
     assert steps is not None and [s.node for s in steps] == ["c1", "c3"] and list(pool.steps) == ["c2"]
     stranger.settimeout(30)
-    assert stranger.recv(10) == b""  # closed by the pool
+    said = stranger.makefile("rb").read()  # the challenge, then the pool closed it
+    assert said.startswith(b"rkit-sb2 ") and said.count(b"\n") == 1
     pool.hand_over(steps, second, second.log.parent)
     assert all(step.proc.wait(timeout=30) == 0 for step in steps) and not calls
     k = {step.node: int(step.name.split("-")[1]) for step in steps}
@@ -161,3 +166,74 @@ def test_a_standby_step_that_dies_is_replaced_and_after_three_in_a_row_standbys_
     assert pool.steps == {} and pool.check() == []  # no more standby steps for this job
     assert pool.take(request(tmp_path, 2, nodes=("c1",))) is None
     pool.dismiss()
+
+
+def test_a_flood_of_idle_slow_and_forged_connections_never_stalls_the_watch_loop(tmp_path: Path):
+    """The listener never waits on a peer: 100 idle connections, a slow one, forged and replayed hellos cost each
+    pass a few non-blocking calls, and the real tasks still get ready."""
+    from rkit import standby as protocol
+    from rkit.backends import slurm_standby
+
+    pool = make_pool([], ["c1"])
+    now = [0.0]
+    pool.clock = lambda: now[0]
+    port = pool._listen().getsockname()[1]
+    passes: list[float] = []
+
+    def timed_check() -> list[dict]:
+        started = time.perf_counter()
+        notes = pool.check()
+        passes.append(time.perf_counter() - started)
+        return notes
+
+    idle = []
+    for _ in range(5):  # 100 idle connections, 20 at a time (beyond the listen backlog a connect would wait)
+        idle += [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(20)]
+        timed_check()
+    slow = socket.create_connection(("127.0.0.1", port), timeout=30)
+    forged = socket.create_connection(("127.0.0.1", port), timeout=30)
+    timed_check()
+    assert len(pool.pending) == slurm_standby.MAX_PENDING  # the oldest went first
+    challenge = forged.makefile("rb").readline().split()[1].decode()
+    forged.sendall(protocol.hello_line("not-the-token", challenge, 0, 1, 1.0, "n"))
+    pool.remember(request(tmp_path, 1, nodes=("c1",)))
+    pool.fill()
+    seen: list[dict] = []
+    deadline = time.monotonic() + 60
+    while not any(n["what"] == "ready" for n in seen) and time.monotonic() < deadline:
+        try:
+            slow.send(b"x")  # a byte a pass, never a line: closed after protocol.MAX_LINE bytes
+        except OSError:
+            pass
+        seen += timed_check()
+    assert any(n["what"] == "ready" for n in seen), seen
+    step = pool.steps["c1"]
+    assert sorted(step.conns) == [0, 1] and step.pids == {0: 1000, 1: 1001}
+    forged.settimeout(30)
+    assert forged.recv(10) == b""  # a hello under another token is closed
+    # Past its deadline (measured in the loop, not waited for) a connection that said no hello is closed.
+    now[0] += slurm_standby.HELLO_SECONDS
+    timed_check()
+    assert pool.pending == []
+    passes.sort()
+    assert passes[len(passes) // 2] < 0.1 and passes[-1] < 1.0, passes
+    for conn in [*idle, slow, forged]:
+        conn.close()
+    pool.dismiss()
+
+
+def test_a_standby_task_applies_only_an_order_the_supervisor_made_that_sets_what_changes_per_attempt():
+    from rkit import standby
+
+    order = {"env": {"RKIT_RANK": "3", "RKIT_INJECT": None}, "argv": ["steps=4"], "attempt_dir": "/r/a"}
+    line = standby.order_line("tok", "nonce", order)
+    assert standby.check_order("tok", "nonce", line) == order
+    assert standby.check_order("other", "nonce", line) is None  # not made with the step's token
+    assert standby.check_order("tok", "replayed", line) is None  # made for another hello
+    assert standby.check_order("tok", "nonce", line.replace(b"steps=4", b"steps=5")) is None
+    widened = standby.order_line("tok", "nonce", {**order, "env": {"LD_PRELOAD": "/tmp/x.so"}})
+    assert standby.check_order("tok", "nonce", widened) is None  # only what changes with every attempt
+    hello = standby.hello_line("tok", "c1", 2, 77, 1.25, "n")
+    assert standby.check_hello(["x", "tok"], "c1", hello.strip()) == ("tok", 2, 77, 1.25, "n")
+    assert standby.check_hello(["tok"], "c2", hello.strip()) is None  # a replay under another challenge
+    assert standby.check_hello(["tok"], "c1", b"tok 0 1 1.0") is None  # the old line: the token in clear

@@ -10,8 +10,14 @@ Slurm cannot hand one step's processes to another step, and a job step cannot be
 is the attempt's part to be: `srun --overlap` (it shares the allocation's CPUs, memory and GPUs with the live step;
 it touches no device until it becomes the attempt), the same container, srun options and environment as the
 attempt it was started beside, on one node. Each task connects back to a listener in the supervisor once its
-imports are done (a token, its task id, its pid); that connection carries the order. The supervisor's death
-closes it, and the batch job's end ends the step.
+imports are done and proves it holds its step's token (rkit.standby's challenge, hello and order, HMAC-SHA256; the
+token never crosses the network); that connection carries the order, which the task checks the same way. The
+supervisor's death closes it, and the batch job's end ends the step.
+
+The listener binds the address the nodes reach this host at, and never waits on a peer: connections are accepted
+and read without blocking, each has HELLO_SECONDS to say its hello (measured in the watch loop), at most
+MAX_PENDING wait at once (the oldest goes first), so a flood of idle or slow connections costs the loop a few
+non-blocking calls per pass.
 
 The attempt is warm only when every one of its nodes has a ready standby step started under the same srun options
 and environment (except what changes with every attempt: standby.PER_ATTEMPT); otherwise it starts cold and the
@@ -22,21 +28,24 @@ why). None of it ever counts as a training failure.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import standby as protocol
 from ..rundir import RunDir, open_for_writing
 from .standby import PER_ATTEMPT, fingerprint
 
 MAX_DEATHS = 3  # standby steps that died in a row before standbys stop for this job
-HELLO_SECONDS = 5.0  # a connected task sends its line at once; a peer that does not is no standby of ours
+HELLO_SECONDS = 10.0  # a connected task answers the challenge at once; a peer that does not is no standby of ours
+MAX_PENDING = 64  # connections waiting to say their hello; beyond it the oldest is closed
+ACCEPTS_PER_PASS = 256  # connections taken off the backlog in one pass (the rest wait for the next)
 # srun options that place a step; a standby step has its own (one node), so they are not part of its shape
 PLACEMENT = ("--output=", "--job-name=", "--nodes=", "--ntasks=", "--nodelist=")
 
@@ -81,6 +90,7 @@ class StandbyStep:
     launcher_log: Path
     token: str
     conns: dict[int, socket.socket] = field(default_factory=dict)  # task -> its connection, once it said ready
+    nonces: dict[int, str] = field(default_factory=dict)  # task -> its hello's nonce (its order's MAC covers it)
     pids: dict[int, int] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
 
@@ -92,6 +102,15 @@ class StandbyStep:
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
+
+
+@dataclass
+class Pending:
+    """A connection that has not said its hello yet."""
+    conn: socket.socket
+    challenge: str
+    deadline: float
+    data: bytes = b""
 
 
 class SlurmStandbyPool:
@@ -106,6 +125,8 @@ class SlurmStandbyPool:
         self.tasks_per_node = tasks_per_node
         self.steps: dict[str, StandbyStep] = {}  # node -> its standby step
         self.listener: socket.socket | None = None
+        self.pending: list[Pending] = []
+        self.clock = time.monotonic
         self._template: Any = None  # the last attempt's StepRequest
         self._count = 0
         self._deaths = 0
@@ -116,8 +137,12 @@ class SlurmStandbyPool:
 
     def _listen(self) -> socket.socket:
         if self.listener is None:
-            self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self.listener.bind(("0.0.0.0", 0))
+            family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
+            self.listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                self.listener.bind((self.address, 0))
+            except OSError:  # a NodeAddr that is a name this host does not resolve to itself: every interface
+                self.listener.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
             self.listener.listen(64)
             self.listener.setblocking(False)
         return self.listener
@@ -161,29 +186,48 @@ class SlurmStandbyPool:
         self._notes.append({"what": why, "step": name, "nodes": [node], "pid": proc.pid})
 
     def _accept(self) -> None:
-        tokens = {step.token: step for step in self.steps.values()}
-        while self.listener is not None:
+        """Take new connections and read what the waiting ones said, never waiting on any of them."""
+        now = self.clock()
+        for _ in range(ACCEPTS_PER_PASS if self.listener is not None else 0):
             try:
                 conn, _ = self.listener.accept()
-            except BlockingIOError:
-                return
+            except OSError:  # BlockingIOError: nobody else is waiting
+                break
+            challenge = secrets.token_hex(16)
             try:
-                conn.settimeout(HELLO_SECONDS)
-                line = conn.makefile("rb").readline(200).decode("ascii", "replace").split()
-                conn.settimeout(None)
+                conn.setblocking(False)
+                conn.send(protocol.challenge_line(challenge))  # a few bytes into an empty send buffer
             except OSError:
                 conn.close()
                 continue
-            step = tokens.get(line[0]) if len(line) == 4 else None
-            if step is None or not line[1].isdigit() or not line[2].isdigit():
-                conn.close()  # another step's task (one that was cancelled), or not ours at all
-                continue
-            task = int(line[1])
-            step.conns[task], step.pids[task] = conn, int(line[2])
+            self.pending.append(Pending(conn, challenge, now + HELLO_SECONDS))
+            while len(self.pending) > MAX_PENDING:
+                self.pending.pop(0).conn.close()
+        tokens = {step.token: step for step in self.steps.values()}
+        waiting = []
+        for p in self.pending:
             try:
-                step.seconds[task] = float(line[3])
-            except ValueError:
-                step.seconds[task] = 0.0
+                chunk = p.conn.recv(protocol.MAX_LINE)
+            except BlockingIOError:
+                chunk = None
+            except OSError:
+                chunk = b""
+            if chunk is not None:
+                p.data += chunk
+            if b"\n" in p.data:
+                hello = protocol.check_hello(tokens, p.challenge, p.data.split(b"\n", 1)[0])
+                step = None if hello is None else tokens[hello[0]]
+                if step is None or hello[1] >= step.tasks or hello[1] in step.conns:
+                    p.conn.close()  # another step's task (one that was cancelled), or not ours at all
+                    continue
+                _, task, pid, seconds, nonce = hello
+                p.conn.setblocking(True)
+                step.conns[task], step.pids[task], step.seconds[task], step.nonces[task] = p.conn, pid, seconds, nonce
+            elif chunk == b"" or len(p.data) >= protocol.MAX_LINE or now >= p.deadline:
+                p.conn.close()
+            else:
+                waiting.append(p)
+        self.pending = waiting
 
     def check(self) -> list[dict[str, Any]]:
         """Accept the tasks' ready lines; replace a step that died while waiting; what changed (for events)."""
@@ -239,7 +283,8 @@ class SlurmStandbyPool:
                 env = {**shared, "RKIT_RANK": str(index * step.tasks + task), "RKIT_NODE_INDEX": str(index)}
                 order = {"env": env, "argv": request.argv[at + 1:], "attempt_dir": str(attempt_dir)}
                 try:
-                    conn.sendall((json.dumps(order) + "\n").encode())
+                    conn.settimeout(HELLO_SECONDS)  # a task that took its order reads it at once
+                    conn.sendall(protocol.order_line(step.token, step.nonces[task], order))
                 except OSError:
                     pass  # that task is gone: srun ends its step, classified as a cold one would be
             step.close()
@@ -257,6 +302,9 @@ class SlurmStandbyPool:
         for step in self.steps.values():
             self._discard(step, "the job's supervisor is done")
         self.steps.clear()
+        for p in self.pending:
+            p.conn.close()
+        self.pending.clear()
         if self.listener is not None:
             self.listener.close()
             self.listener = None

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from ..rundir import open_for_writing
+from ..standby import PER_ATTEMPT
 
 PREFIX = "APPTAINERENV_"
 STANDBY_LOG = "standby.log"
-PER_ATTEMPT = ("RKIT_ATTEMPT", "RKIT_RANK", "RKIT_NODE_INDEX", "RKIT_COORDINATOR", "RKIT_INJECT",
-               "RKIT_SUPERVISOR_FD", "RKIT_SUPERVISOR_TOKEN", "RKIT_STANDBY_READY_FD")
 
 
 def inside(env: dict[str, str], container: bool) -> dict[str, str]:

@@ -12,15 +12,19 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 import ssl
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from wsgiref.simple_server import make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from ..errors import RkitError
@@ -31,6 +35,8 @@ from .exposure import exposure, insecure_warning
 DEFAULT_INTERFACE = "127.0.0.1"
 DEFAULT_PORT = 9400
 NOT_FAILURES = ("completed", "interrupted")  # attempt causes that are not a failure of the attempt
+HANDSHAKE_SECONDS = 10.0  # a client's whole TLS handshake, and then each read or write of its connection
+CONNECTION_SECONDS = 30.0  # a connection's whole life (handshake, request, answer); then it is cut
 
 # rkit line field -> (metric name, help). Units are in the names (Prometheus convention).
 TRAINING_GAUGES = {
@@ -277,6 +283,49 @@ class Exporter:
         self.thread.join(timeout=5)
 
 
+class _Server(ThreadingWSGIServer):
+    """prometheus-client's server (a thread per connection), with TLS done in that thread: the listening socket
+    stays plain, so a client that never finishes its handshake (or its request) holds only its own thread, until
+    HANDSHAKE_SECONDS / CONNECTION_SECONDS, and never the accept loop (prometheus-client wraps the listening
+    socket, so one silent client there stops every scrape)."""
+
+    tls: ssl.SSLContext | None = None
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        conn = [request]  # the socket to cut when the connection outlives CONNECTION_SECONDS (the TLS one, once made)
+        cut = threading.Timer(CONNECTION_SECONDS, _cut, (conn,))
+        cut.daemon = True
+        cut.start()
+        try:
+            if self.tls is not None:
+                request.settimeout(HANDSHAKE_SECONDS)
+                conn[0] = self.tls.wrap_socket(request, server_side=True)
+            self.finish_request(conn[0], client_address)
+        except Exception:
+            self.handle_error(conn[0], client_address)
+        finally:
+            cut.cancel()
+            self.shutdown_request(conn[0])
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client gone, too slow or not speaking TLS: not reported
+            super().handle_error(request, client_address)
+
+
+def _cut(conn: list) -> None:
+    try:  # the plain socket's shutdown (an SSLSocket's would drop its TLS state under the thread reading it)
+        socket.socket.shutdown(conn[0], socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _tls_context(cert: str, key: str | None) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context
+
+
 def serve(run: RunDir, *, interface: str = DEFAULT_INTERFACE, port: int = DEFAULT_PORT,
           nodes: Iterable[str] | None = None, training: bool = True, events: bool = True,
           tls_cert: str | None = None, tls_key: str | None = None) -> Exporter:
@@ -284,15 +333,20 @@ def serve(run: RunDir, *, interface: str = DEFAULT_INTERFACE, port: int = DEFAUL
     certificate and key)."""
     registry = registry_for(run, nodes=nodes, training=training, events=events)
     try:
-        server, thread = start_http_server(port, addr=interface, registry=registry, certfile=tls_cert,
-                                           keyfile=tls_key)
+        tls = _tls_context(tls_cert, tls_key) if tls_cert else None
     except OSError as exc:
-        if tls_cert and (isinstance(exc, ssl.SSLError) or "certificate" in str(exc)):
-            reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
-            raise RkitError(f"TLS certificate {tls_cert} / key {tls_key}: cannot be loaded ({reason}); give a PEM "
-                            "certificate and the key that belongs to it.") from None
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
+        raise RkitError(f"TLS certificate {tls_cert} / key {tls_key}: cannot be loaded ({reason}); give a PEM "
+                        "certificate and the key that belongs to it.") from None
+    try:
+        family, host = _get_best_family(interface, port)
+        server_class = type("_Server", (_Server,), {"address_family": family, "tls": tls})
+        server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_SilentHandler)
+    except OSError as exc:
         raise bind_error(interface, port, exc) from None
-    return Exporter(server, thread, tls=bool(tls_cert))
+    thread = threading.Thread(target=server.serve_forever, name="rkit-exporter", daemon=True)
+    thread.start()
+    return Exporter(server, thread, tls=tls is not None)
 
 
 def bind_error(interface: str, port: int, exc: OSError) -> RkitError:
