@@ -106,6 +106,16 @@ def wait_until(predicate, timeout: float, what: str, every: float = 0.5, *, aliv
 MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """verify_image tests (a second full cpu image build, 4-40 minutes) run only when asked for by -m."""
+    if "verify_image" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("verify_image") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def cpu_image() -> Path:
     """The cpu image, built once per test session from containers/cpu.def (then cached by key)."""

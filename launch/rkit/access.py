@@ -13,8 +13,8 @@ from .rundir import RunDir
 
 def restore_modes(root: Path, mask: int) -> tuple[int, list[Path]]:
     """Every file and folder below `root` this user owns loses the mode bits `mask` forbids, files their execute
-    bits too (a run left 0777 inside, a copy made under another umask); links are not followed. Returns how many changed, and what another
-    user owns (rkit cannot change those)."""
+    bits too (a run left 0777 inside, a copy made under another umask); links are not followed. Returns how many
+    changed, and what another user owns (rkit cannot change those)."""
     changed, foreign, me = 0, [], os.geteuid()
     for top, dirs, files in os.walk(root, onerror=lambda exc: None):
         for name in [*dirs, *files]:

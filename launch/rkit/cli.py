@@ -179,7 +179,7 @@ def image() -> None:
 
 
 @image.command("build")
-@click.argument("flavor", type=click.Choice(["cpu", "rocm", "cuda"]))
+@click.argument("flavor", type=click.Choice(["cpu", "rocm", "cuda", "base"]))
 @click.option("--build-arg", "build_args", multiple=True, metavar="NAME=VALUE",
               help="Override a build argument of the definition (e.g. MIRROR=http://deb.debian.org/debian).")
 @click.option("--force", is_flag=True, help="Rebuild even if the cache has this key.")

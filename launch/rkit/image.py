@@ -18,8 +18,8 @@ from typing import Any
 from .errors import RkitError
 
 REPO = Path(__file__).resolve().parents[2]
-FLAVORS = ("cpu", "rocm", "cuda")
-GPU_FLAGS = {"cpu": [], "rocm": ["--rocm"], "cuda": ["--nv"]}
+FLAVORS = ("cpu", "rocm", "cuda", "base")
+GPU_FLAGS = {"cpu": [], "rocm": ["--rocm"], "cuda": ["--nv"], "base": []}
 LABEL_PREFIX = "org.rkit."
 INSTALL_HINT = ("install it: on Debian 12 run `sudo ci/install-apptainer.sh` from the rkit checkout; elsewhere see "
                 "https://apptainer.org/docs/admin/main/installation.html (or set RKIT_APPTAINER to its path)")

@@ -12,6 +12,7 @@ import pytest
 from spython.main.parse.parsers import SingularityParser
 
 from rkit.errors import RkitError
+from rkit.image import FLAVORS
 from rkit.imagebuild import definition_arguments, plan_build
 
 from ..conftest import REPO
@@ -35,6 +36,27 @@ def lock_entries(path: Path) -> list[tuple[str, list[str]]]:
         requirement = line.split("--hash")[0].strip()
         entries.append((requirement, re.findall(r"--hash=(sha256:[0-9a-f]{64})", line)))
     return entries
+
+
+def test_base_definition_is_the_cpu_one_with_setuptools_alone():
+    """base.def (built twice from nothing by the reproducibility test) runs every step of cpu.def: the same
+    bootstrap, mirror, Debian lock check, pip --require-hashes, compileall, stamps and cleanup; only its lock is
+    cpu.txt's setuptools entry alone, and it runs Python rather than the agent."""
+    import difflib
+
+    diff = difflib.unified_diff(definition_lines("cpu"), definition_lines("base"), lineterm="", n=0)
+    changed = [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert changed == ["-    FLAVOR=cpu", "+    FLAVOR=base", '-    exec /opt/venv/bin/python -m rkit.agent "$@"',
+                       '+    exec /opt/venv/bin/python "$@"']
+    cpu = dict(lock_entries(CONTAINERS / "lock" / "cpu.txt"))
+    base = dict(lock_entries(CONTAINERS / "lock" / "base.txt"))
+    assert list(base) == [next(req for req in cpu if req.startswith("setuptools=="))]
+    assert base == {req: cpu[req] for req in base}
+    assert BASES["base"] == {**BASES["cpu"], "mirror": BASES["base"]["mirror"]}
+    assert definition_lines("base")[:4] == definition_lines("cpu")[:4]  # the same dated mirror by default
+    from rkit import cli
+
+    assert set(cli.image_build.params[0].type.choices) == set(FLAVORS)
 
 
 @pytest.mark.parametrize("flavor", ["rocm"])

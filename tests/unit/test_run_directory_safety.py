@@ -106,9 +106,7 @@ def test_one_redaction_for_events_manifests_and_the_batch_script(tmp_path):
     run.emit("x", reason="could not reach https://bob:hunter2@db/x", api_token="abc")
     text = run.events_file.read_text()
     assert "hunter2" not in text and '"abc"' not in text and REDACTED in text
-    from rkit.recipe import parse_recipe
-
-    from rkit.recipe import RecipeError
+    from rkit.recipe import RecipeError, parse_recipe
 
     recipe = parse_recipe("r.yaml", TINY.read_text(), [f"runs_dir={tmp_path}", "name=s", "launcher=slurm"])
     import dataclasses
