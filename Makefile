@@ -6,6 +6,8 @@ LOCKS := containers/lock
 RECIPE ?= recipes/tiny-cpu.yaml
 RUN_ARGS ?= --resume
 PYTEST_ARGS ?=
+# Two pytest-xdist workers where there are two cores (tests/conftest.py says which tests go together), else one.
+TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
 
 FLAVOR ?= cpu
 MIRROR ?=
@@ -49,7 +51,7 @@ prometheus:
 # Everything: unit tests, real MaxText, real Apptainer, real Prometheus, and the Slurm tests on the test bed.
 test: setup-dev apptainer prometheus slurm-testbed
 	$(VENV)/bin/ruff check launch tests
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The Slurm test bed (ci/slurm-testbed.sh: Slurm 24.11 + Apptainer in a Debian 13 root, 3 nodes; root on
 # Debian 12). Without root it says why; the Slurm tests then skip on a laptop and fail in CI.

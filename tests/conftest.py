@@ -106,8 +106,21 @@ def wait_until(predicate, timeout: float, what: str, every: float = 0.5, *, aliv
 MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 
 
+# make test runs the suite in two pytest-xdist workers where the machine has two cores (-n 2 --dist loadgroup):
+# the cpu image and everything that runs in it (its tests, the Slurm test bed's) in one, the rest (unit tests,
+# MaxText on the host, benchmarks, reports, Prometheus) in the other, so that each group's session fixtures
+# (the image, the cluster, one clean run per recipe) are made once, and the Slurm tests' waits on Slurm overlap
+# the host's training.
+IMAGE_GROUP_MODULES = ("test_images.py", "test_slurm.py", "test_slurm_liveness.py")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """verify_image tests (a second full cpu image build, 4-40 minutes) run only when asked for by -m."""
+    """verify_image tests (a second full cpu image build, 4-40 minutes) run only when asked for by -m; every
+    test gets its xdist group."""
+    for item in items:
+        group = "image" if item.path.name in IMAGE_GROUP_MODULES else "host"
+        item.add_marker(pytest.mark.xdist_group(group))
     if "verify_image" in (config.getoption("markexpr") or ""):
         return
     kept = [item for item in items if item.get_closest_marker("verify_image") is None]
