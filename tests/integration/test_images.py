@@ -121,27 +121,6 @@ def test_every_pyc_in_the_image_is_unchecked_so_imports_never_hash_the_sources(c
     assert found["missing"] == []
 
 
-def test_the_base_image_built_twice_from_nothing_is_the_same_bytes(tmp_path: Path):
-    """Bit-reproducibility at its smallest real size: containers/base.def is cpu.def with only setuptools in its
-    lock (a unit test holds them to that), so two cold builds in two caches run the same machinery (debootstrap
-    from the mirror, the Debian lock check, SOURCE_DATE_EPOCH, pip --require-hashes, compileall, rkit's stamps,
-    the cleanup, squashfs times, the SIF header) in about a minute each. The full cpu image: make verify-image."""
-    from rkit import imagerepro
-
-    built = []
-    for name in ("first", "second"):
-        done = rkit("image", "build", "base", *MIRROR, env={"RKIT_IMAGE_CACHE": str(tmp_path / name)},
-                    timeout=1800, check=0)
-        built.append(Path(done.stdout.strip().splitlines()[-1]))
-        assert built[-1].parent == tmp_path / name and "built in" in done.stderr
-    first_objects, second_objects = imagerepro.objects(built[0]), imagerepro.objects(built[1])
-    assert sha256_file(built[0]) == sha256_file(built[1]), (first_objects, second_objects)
-    assert first_objects["header"]["id"] == "0" * 32  # nil UUID, times at SOURCE_DATE_EPOCH
-    info = image_info(built[0])
-    assert info["flavor"] == "base" and info["debian_lock_sha256"].startswith("sha256:")
-    assert set(info["packages"]) >= {"setuptools", "rkit"} and "jax" not in info["packages"]
-
-
 @pytest.mark.verify_image
 def test_a_second_cold_build_of_the_same_inputs_is_the_same_bytes(cpu_image: Path, tmp_path: Path):
     # Another cache: the same definition, locks and mirror, built from nothing (debootstrap, pip, squashfs).
