@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .rundir import RunDir, valid_event
-from .safeio import MAX_LINE_BYTES, objects, open_regular
+from .safeio import MAX_LINE_BYTES, objects, open_regular, private_dir
 from .telemetry import goodput, metrics
 
 # 2: goodput's start-up in parts (EventFold.agents); 3: its restore (_Attempt.restore); 4: detection;
@@ -54,8 +54,7 @@ def cache_root() -> Path:
 def _private_dir(path: Path) -> Path | None:
     """`path` made (0700) or found; None unless this user owns it and nobody else can write to it."""
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        info = os.lstat(path)
+        info = os.lstat(private_dir(path))
     except OSError:
         return None
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:

@@ -142,19 +142,6 @@ def is_secret_override(key: str) -> bool:
     return key.lower().endswith(SECRET_OVERRIDE_ENDINGS)
 
 
-def _strings(value: Any, depth: int = 0) -> Iterator[str]:
-    """Every string inside a value (lists and mappings walked; the recipe loader bounds the depth)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict) and depth < 64:
-        for k, v in value.items():
-            yield from _strings(k, depth + 1)
-            yield from _strings(v, depth + 1)
-    elif isinstance(value, list) and depth < 64:
-        for v in value:
-            yield from _strings(v, depth + 1)
-
-
 def _semantic_problems(data: dict) -> list[Problem]:
     problems = []
     trainer = data.get("trainer")
@@ -164,7 +151,7 @@ def _semantic_problems(data: dict) -> list[Problem]:
             problems.append(Problem(f"trainer.overrides.{key}",
                                     f"rkit sets MaxText's '{key}' itself; use {OWNED_MAXTEXT_KEYS[key]}."))
         for key, value in sorted(overrides.items(), key=lambda kv: str(kv[0])):
-            strings = list(_strings(value))
+            strings = [text for _, text in _paths_of_strings(value)]
             if isinstance(key, str) and is_secret_override(key):
                 problems.append(Problem(f"trainer.overrides.{key}", "looks like a secret; MaxText prints its "
                                         "config into the rank logs and rkit records overrides in the run "
