@@ -37,7 +37,7 @@ def pem_file_problem(path: str) -> str | None:
 def exposure(interface: str, tls_cert: str | None, tls_key: str | None, insecure: bool, *,
              tls_hint: str = "give a certificate and key (PEM)", insecure_hint: str = "say insecure") -> str | None:
     """Why serving on `interface` this way is refused, or None. Metrics leave this machine only over TLS (a
-    certificate and its key, through prometheus-client's own TLS), unless the user says `insecure`. The hints
+    certificate and its key, TLS done per connection, exporter._Server), unless the user says `insecure`. The hints
     name the settings as the caller spells them (recipe keys, command-line options)."""
     if bool(tls_cert) != bool(tls_key):
         return "give both a TLS certificate and its key (PEM files), or neither."
