@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,8 +37,6 @@ def require_maxtext() -> None:
 
 def require_program(name: str, env_var: str, installer: str) -> str:
     """The path of a real program of the test bed (`env_var` may name another); make test installs it as root."""
-    import shutil
-
     found = shutil.which(os.environ.get(env_var, name))
     if not found:
         missing_test_bed(f"{name} is not installed; run `sudo {installer}` (make test does it as root)")
@@ -132,6 +131,49 @@ if importlib.util.find_spec("xdist") is not None:
                 return xdist_scope(nodeid)
 
         return TwoGroups(config, log)
+
+
+# The tests that measure speed (marked `quiet`: the bench gate's) must not share the machine's cores with the
+# other xdist worker's image builds and training: a burst of that load during one side's rounds makes an identical
+# candidate "slower". Each test holds a lock on the whole of its protocol (setup, call, teardown, so the session
+# fixtures built in its setup too): shared for every test, exclusive for a quiet one, which therefore starts when
+# the other worker's current test ends and keeps the other worker waiting until it is done. A turnstile taken
+# before either gives the quiet test priority over the other worker's next tests.
+LOCKS = "RKIT_TEST_LOCKS"  # the folder of the two lock files: made by the controller, inherited by the workers
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), before any worker starts
+        os.environ[LOCKS] = tempfile.mkdtemp(prefix="rkit-test-locks-")
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(LOCKS):
+        shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True)
+
+
+def _lock_path(name: str) -> Path:
+    return Path(os.environ[LOCKS]) / name
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import fcntl
+
+    quiet = item.get_closest_marker("quiet") is not None
+    with open(_lock_path("turnstile"), "a") as turnstile, open(_lock_path("room"), "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(room, fcntl.LOCK_EX if quiet else fcntl.LOCK_SH)
+        finally:
+            if not quiet:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            if quiet:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -44,6 +44,7 @@ def identical(bench_dir: Path) -> dict:
     return gate(bench_dir, DETERMINISTIC, DETERMINISTIC, "--save", "det", expect=0)
 
 
+@pytest.mark.quiet  # the first to use `identical`: its gate measures speed
 def test_an_identical_candidate_passes_the_gate_bit_for_bit(identical: dict, bench_dir: Path):
     assert identical["agree"] and identical["same_math"] and identical["worse"] == []
     loss = identical["loss"]
@@ -85,6 +86,7 @@ def test_bench_run_then_compare_against_the_saved_baseline_again_agrees(identica
         assert name in shown
 
 
+@pytest.mark.quiet
 def test_a_real_slowdown_fails_the_gate(bench_dir: Path):
     result = gate(bench_dir, SHORT, [*SHORT, "trainer.overrides.base_num_decoder_layers=16"], expect=1)
     assert not result["agree"] and not result["same_math"] and "step_time" in result["worse"]
