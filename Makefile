@@ -12,7 +12,7 @@ TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
 FLAVOR ?= cpu
 MIRROR ?=
 
-.PHONY: lock-python lock-debian setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image
+.PHONY: lock-python lock-debian setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-python
@@ -58,6 +58,10 @@ test: setup-dev apptainer prometheus slurm-testbed
 slurm-testbed:
 	@ci/slurm-testbed.sh up >/dev/null || \
 	  echo "rkit: warning: no Slurm test bed (ci/slurm-testbed.sh up needs root on Debian 12); Slurm tests cannot run"
+
+# docs/modules.md from the package's tree (tests/unit/test_module_table.py fails while it is stale).
+module-table:
+	python3 ci/module_table.py > docs/modules.md
 
 # Only the Slurm launcher's tests.
 test-slurm: setup-dev apptainer slurm-testbed

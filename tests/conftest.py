@@ -66,7 +66,7 @@ def rkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
 
 @pytest.fixture(scope="session", autouse=True)
 def status_cache(tmp_path_factory) -> Path:
-    """rkit status keeps its digests (rkit.digest) in a folder of the test session, not in the user's cache;
+    """rkit status keeps its digests (rkit.readers.digest) in a folder of the test session, not in the user's cache;
     the CLI subprocesses inherit it."""
     path = tmp_path_factory.mktemp("status-cache")
     os.environ["RKIT_STATUS_CACHE"] = str(path)
@@ -177,7 +177,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_collection_modifyitems(config, items):
-    """verify_image tests (a second full cpu image build, 4-40 minutes) run only when asked for by -m."""
+    """verify_image tests (a second full cpu image build, 4-40 minutes) run only when asked for by -m. The modules
+    that hold a `quiet` test run last (in their order): by then the other worker is in its shorter tests, not in the
+    image build, so the quiet test waits for little, and its module's fixtures stay together."""
+    quiet_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("quiet") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in quiet_modules)  # stable: the order otherwise kept
     if "verify_image" in (config.getoption("markexpr") or ""):
         return
     kept = [item for item in items if item.get_closest_marker("verify_image") is None]
@@ -211,7 +215,7 @@ From: {base}
 
 @pytest.fixture(scope="session")
 def image_without_rkit(cpu_image: Path) -> Path:
-    from rkit.image import apptainer, sha256_file
+    from rkit.images.store import apptainer, sha256_file
 
     target = cpu_image.parent / f"test-without-rkit-{sha256_file(cpu_image).split(':')[1][:16]}.sif"
     if target.is_file():

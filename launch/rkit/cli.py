@@ -8,11 +8,9 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .cliopts import json_option, limits_options, overrides_option
-from .errors import RecipeError, RkitError
-
-EXIT_CODES = {"finished": 0, "gave up": 1, "interrupted": 130}
+from rkit import __version__
+from rkit.cliopts import json_option, limits_options, overrides_option
+from rkit.contract.errors import RecipeError, RkitError
 
 
 class RkitGroup(click.Group):
@@ -39,8 +37,8 @@ def main() -> None:
 @json_option
 def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Check RECIPE against the schema; report every problem with its key and line."""
-    from .recipe import load_recipe
-    from .runner import validate_maxtext_keys
+    from rkit.recipe.load import load_recipe
+    from rkit.run.runner import validate_maxtext_keys
 
     try:
         loaded = load_recipe(recipe, overrides)
@@ -74,11 +72,12 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
         wait: bool, dry_run: bool) -> None:
     """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
-    from . import runner
-    from . import status as run_status
-    from .display import live_progress
-    from .inject import parse_injections
-    from .recipe import load_recipe
+    from rkit.readers import status as run_status
+    from rkit.readers.display import live_progress
+    from rkit.recipe.load import load_recipe
+    from rkit.run import runner
+    from rkit.run.policy import RunState
+    from rkit.runtime.inject import parse_injections
 
     loaded = load_recipe(recipe, overrides)
     injections = parse_injections(injects, loaded.processes, loaded.total_steps)
@@ -88,35 +87,36 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     with live_progress(enabled=not quiet and loaded.config.launcher == "local",
                        total=loaded.total_steps) as on_progress:
         run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)
-    if state.value == "pending":
+    if state is RunState.PENDING:
         click.echo(f"rkit: submitted {run_dir.path} as Slurm job {runner.slurm_job(run_dir)}; "
                    f"follow it with: rkit status {run_dir.path}")
         if not wait:
             return
         state = run_status.follow(run_dir, echo=click.echo)
     click.echo(run_status.render_status(run_status.status(run_dir)))
-    if state.value in ("gave up", "interrupted"):  # the user's own command, their -o options included
+    if state in (RunState.GAVE_UP, RunState.INTERRUPTED):  # the user's own command, their -o options included
         click.echo(f"rkit: continue it with: {loaded.command('--resume')}")
-    sys.exit(EXIT_CODES.get(state.value, 1))
+    sys.exit(state.exit_code())
 
 
 @main.command(hidden=True)
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def supervise(run_dir: Path) -> None:
     """(Inside a Slurm batch job) run RUN's attempts as job steps."""
-    from . import runner
+    from rkit.run import runner
+    from rkit.run.policy import RunState
 
     state = runner.supervise(run_dir)
-    sys.exit(EXIT_CODES.get(state.value, 0 if state.value == "requeued" else 1))
+    sys.exit(0 if state is RunState.REQUEUED else state.exit_code())  # requeued: the batch job ends cleanly
 
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def cancel(run_dir: Path) -> None:
     """Cancel RUN's Slurm job (scancel); the run stays resumable with `rkit run RECIPE --resume`."""
-    from . import runner
-    from .backends import slurm
-    from .rundir import EV, RunDir
+    from rkit.backends.slurm import launcher as slurm
+    from rkit.contract.rundir import EV, RunDir
+    from rkit.run import runner
 
     run = RunDir(run_dir).require()
     job = runner.slurm_job(run)
@@ -135,8 +135,8 @@ def cancel(run_dir: Path) -> None:
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
 def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
     """Print one process's log of one attempt."""
-    from . import status as run_status
-    from .rundir import RunDir
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import status as run_status
 
     run_status.print_log(RunDir(run_dir).require(), rank=rank, attempt=attempt, follow=follow, echo=click.echo)
 
@@ -152,21 +152,23 @@ def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool, l
     """Relaunch RUN with its resolved config and the same image digest, through RUN's own launcher (a Slurm run
     as a Slurm job, followed to its end), then compare the outcomes as `rkit compare RUN NEW` does: exit 0 when
     they agree, 1 when they differ. (`rkit diff` compares the inputs.)"""
-    from . import compare as outcomes
-    from . import outcome, runner
-    from . import status as run_status
-    from .display import live_progress
-    from .rundir import RunDir
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import compare as outcomes
+    from rkit.readers import outcome
+    from rkit.readers import status as run_status
+    from rkit.readers.display import live_progress
+    from rkit.run import runner
+    from rkit.run.policy import RunState
 
     config = RunDir(run_dir).config()
     with live_progress(enabled=not quiet and config.launcher == "local", total=config.trainer.steps) as progress:
         new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=progress)
-    if state.value == "pending":
+    if state is RunState.PENDING:
         click.echo(f"rkit: submitted {new_dir.path} as Slurm job {runner.slurm_job(new_dir)}; following it")
         state = run_status.follow(new_dir, echo=click.echo)
     click.echo(run_status.render_status(run_status.status(new_dir)))
-    if state.value != "finished":
-        sys.exit(EXIT_CODES.get(state.value, 1))
+    if state is not RunState.FINISHED:
+        sys.exit(state.exit_code())
     result = outcomes.compare(outcome.load(run_dir), outcome.load(new_dir.path),
                               outcomes.Limits(loss_tolerance, threshold))
     click.echo(outcomes.render(result))
@@ -189,7 +191,7 @@ def image() -> None:
 def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: bool,
                 refresh_debian_lock: bool) -> None:
     """Build FLAVOR into the content-addressed image cache (an unchanged key is not rebuilt)."""
-    from . import imagebuild as images
+    from rkit.images import build as images
 
     overrides = {}
     for item in build_args:
@@ -214,7 +216,7 @@ def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: 
 @json_option
 def image_inspect(path: Path, as_json: bool) -> None:
     """SHA256 of the SIF, its rkit labels, flavor and package count."""
-    from . import image as images
+    from rkit.images import store as images
 
     info = images.inspect(path)
     if as_json:
@@ -231,7 +233,7 @@ def image_inspect(path: Path, as_json: bool) -> None:
 @click.option("--expect", required=True, metavar="sha256:HEX", help="The digest the image must have.")
 def image_verify(path: Path, expect: str) -> None:
     """Exit 0 when PATH's sha256 is the expected one; exit 2 with both digests when not."""
-    from . import image as images
+    from rkit.images import store as images
 
     click.echo(f"{path}: {images.verify(path, expect)} OK")
 
@@ -243,10 +245,10 @@ def image_verify(path: Path, expect: str) -> None:
 def image_diff(a: str, b: str, as_json: bool) -> None:
     """What differs between two images: labels, Python and Debian packages, definition. Exit 0 when they hold
     the same environment (the same file, or a rebuild), 1 when not."""
-    from . import imageenv
+    from rkit.images import diff as imagediff
 
-    result = imageenv.diff_images(a, b)
-    click.echo(json.dumps(result, indent=2) if as_json else imageenv.render_diff(result))
+    result = imagediff.diff_images(a, b)
+    click.echo(json.dumps(result, indent=2) if as_json else imagediff.render_diff(result))
     sys.exit(0 if result["same_environment"] else 1)
 
 
@@ -256,8 +258,8 @@ def image_diff(a: str, b: str, as_json: bool) -> None:
 @click.option("--watch", is_flag=True, help="A live view, redrawn every 2 s until the run ends (Ctrl-C to stop).")
 def status(run_dir: Path, as_json: bool, watch: bool) -> None:
     """Where RUN is: state and why, step, checkpoints, attempts and their causes, speed, ETA, goodput."""
-    from . import status as run_status
-    from .rundir import RunDir
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import status as run_status
 
     if watch and as_json:
         raise RkitError("--watch and --json do not go together: --watch draws for a person, --json prints once.")
@@ -274,7 +276,7 @@ def status(run_dir: Path, as_json: bool, watch: bool) -> None:
 def ls_command(runs_dir: Path, as_json: bool) -> None:
     """One line per run in RUNS_DIR (default: runs): name, state, last step (MaxText's, from 0) and steps done,
     loss, config hash and image digest prefixes, launcher, Slurm job id, time since its last event."""
-    from . import listing
+    from rkit.readers import listing
 
     rows = [listing.row(run) for run in listing.runs_in(runs_dir)]
     click.echo(json.dumps(rows, indent=2, sort_keys=True) if as_json else listing.render(rows))
@@ -287,8 +289,8 @@ def ls_command(runs_dir: Path, as_json: bool) -> None:
 def report_command(run_dir: Path, out: Path | None) -> None:
     """Plots (loss, tokens/s, step time against the step and against wall-clock time; goodput) and a one-page
     summary.md / summary.html of RUN."""
-    from .report import write_report
-    from .rundir import RunDir
+    from rkit.contract.rundir import RunDir
+    from rkit.readers.report import write_report
 
     for path in write_report(RunDir(run_dir), out):
         click.echo(str(path))
@@ -312,8 +314,8 @@ def metrics_serve(run_dir: Path, interface: str, port: int, tls_cert: str | None
                   insecure: bool) -> None:
     """Serve RUN's training, node health and attempt metrics at /metrics until Ctrl-C (live or finished).
     Beyond loopback only over HTTPS (--tls-cert, --tls-key), unless --insecure."""
-    from .rundir import RunDir
-    from .telemetry import exporter
+    from rkit.contract.rundir import RunDir
+    from rkit.runtime.telemetry import exporter
 
     exporter.serve_until_interrupted(RunDir(run_dir).require(), interface=interface, port=port, echo=click.echo,
                                      tls_cert=tls_cert, tls_key=tls_key, insecure=insecure)
@@ -326,8 +328,8 @@ def metrics_serve(run_dir: Path, interface: str, port: int, tls_cert: str | None
 def diff(a: Path, b: Path, as_json: bool) -> None:
     """Differences between two runs' inputs (or two manifest files), grouped; exit 1 when they differ.
     `rkit compare` compares what the runs came out as."""
-    from .display import readable_times
-    from .manifest import diff_sources, render_diff
+    from rkit.readers.diff import diff_sources, render_diff
+    from rkit.readers.display import readable_times
 
     result = diff_sources(a, b)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_diff(readable_times(result)))
@@ -343,8 +345,8 @@ def compare_command(runs: tuple[Path, ...], loss_tolerance: float, threshold: fl
     WITHIN tolerance / DIFFER, the first divergent step), and step time, tokens/s, host and device memory as
     ratios B/A with a 95 % interval (percentile bootstrap of the ratio of medians over the steady-state per-step
     samples). Exit 0 when all agree, 1 when one differs. `rkit diff` compares the inputs."""
-    from . import compare as outcomes
-    from . import outcome
+    from rkit.readers import compare as outcomes
+    from rkit.readers import outcome
 
     if len(runs) < 2:
         raise RkitError("rkit compare needs two runs or more: rkit compare RUN_A RUN_B [RUN...]")
@@ -390,7 +392,7 @@ BENCH_THRESHOLD = 0.10
 def bench_run(recipe: Path, overrides: tuple[str, ...], rounds: int, save_name: str | None, storage: Path) -> None:
     """Train ROUNDS fresh runs of RECIPE and save one result: its samples are the steady-state step times, its
     extra info the image digest, config hash, rkit version, hardware fingerprint and loss checksum."""
-    from . import bench as benches
+    from rkit.readers import bench as benches
 
     store = benches.storage(storage)
     done = benches.measure(recipe, {"run": list(overrides)}, rounds, progress)["run"]
@@ -411,8 +413,8 @@ def bench_run(recipe: Path, overrides: tuple[str, ...], rounds: int, save_name: 
 def bench_compare(a: str, b: str, loss_tolerance: float, threshold: float, storage: Path, as_json: bool) -> None:
     """Saved result B against saved result A (a file, a number such as 0003, or a name), with `rkit compare`'s
     verdict: exit 0 when B is no worse, 1 when it is."""
-    from . import bench as benches
-    from . import compare as outcomes
+    from rkit.readers import bench as benches
+    from rkit.readers import compare as outcomes
 
     store = benches.storage(storage)
     (pa, ba), (pb, bb) = benches.load_saved(store, a), benches.load_saved(store, b)
@@ -437,8 +439,8 @@ def bench_gate(recipe: Path, baseline: tuple[str, ...], candidate: tuple[str, ..
     """Before promoting an image or a config: is the candidate slower or larger than the baseline beyond the
     threshold and the noise, or does it train to another loss with the same training math? Exit 1 when it is,
     0 when not. E.g. --baseline image=cpu --candidate image=/path/new.sif"""
-    from . import bench as benches
-    from . import compare as outcomes
+    from rkit.readers import bench as benches
+    from rkit.readers import compare as outcomes
 
     store = benches.storage(storage) if save_name else None
     result = benches.gate(recipe, list(baseline), list(candidate), rounds, outcomes.Limits(loss_tolerance, threshold),
@@ -457,7 +459,7 @@ def bench_gate(recipe: Path, baseline: tuple[str, ...], candidate: tuple[str, ..
 def bench_history(globs: tuple[str, ...], metric: str, out: Path | None, storage: Path) -> None:
     """A PNG and a table of METRIC (step time in ms, tokens/s per device, host RSS in MiB) across the saved results
     (or those matching GLOBS): one point per result with its interval, labelled by number, name and image."""
-    from . import bench as benches
+    from rkit.readers import bench as benches
 
     points = benches.history_points(benches.storage(storage), metric, globs)
     if not points:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from benchruns import REPO
 
-from rkit import imagerepro
-from rkit.image import sha256_file
+from rkit.images import repro as imagerepro
+from rkit.images.store import sha256_file
 
 
 def build(flavor: str, cache: Path) -> tuple[Path, float]:

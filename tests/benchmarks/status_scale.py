@@ -90,7 +90,7 @@ def append(run: Path, steps: int, events: int) -> None:
     """A live run between two calls: `steps` more steps on every rank, `events` more events. Reads only the files'
     last lines: Linux keeps a process's peak RSS across exec, so a large read here would show as every later
     child's peak."""
-    from rkit.rundir import last_jsonl
+    from rkit.contract.rundir import last_jsonl
 
     last = last_jsonl(run / "events.jsonl")
     with open(run / "events.jsonl", "a") as fh:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rkit.backends.base import Handle, RankExit
-from rkit.policy import Progress
-from rkit.recipe import load_recipe
-from rkit.rundir import RunDir
-from rkit.supervisor import Supervisor
+from rkit.contract.rundir import RunDir
+from rkit.recipe.load import load_recipe
+from rkit.run.policy import Progress
+from rkit.run.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 PER_NODE = 8

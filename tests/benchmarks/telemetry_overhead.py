@@ -21,8 +21,8 @@ from benchruns import REPO, run_tiny
 
 sys.path.insert(0, str(REPO / "launch"))
 
-from rkit.rundir import RunDir  # noqa: E402
-from rkit.telemetry import metrics  # noqa: E402
+from rkit.contract.rundir import RunDir  # noqa: E402
+from rkit.runtime.telemetry import metrics  # noqa: E402
 
 MODES = {
     "off": ["-o", "observability.telemetry_interval_seconds=0", "-o", "observability.prometheus.enabled=false"],

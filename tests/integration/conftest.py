@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rkit.rundir import RunDir
+from rkit.contract.rundir import RunDir
 
 from ..conftest import missing_test_bed, require_maxtext
 from .slurm_helpers import FAST_TIMEOUTS, TESTBED, set_timeouts, submit, wait_finished

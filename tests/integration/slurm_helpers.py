@@ -9,8 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from rkit.rundir import RunDir
-from rkit.telemetry.metrics import merged
+from rkit.contract.rundir import RunDir
+from rkit.runtime.telemetry.metrics import merged
 
 from ..conftest import REPO, rkit, wait_until
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rkit.rundir import RunDir
+from rkit.contract.rundir import RunDir
 
 from ..conftest import REPO, require_maxtext, rkit
 

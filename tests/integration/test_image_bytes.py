@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rkit.image import image_info, sha256_file
+from rkit.images.store import image_info, sha256_file
 
 from ..conftest import MIRROR, require_apptainer, rkit
 
@@ -20,7 +20,7 @@ def test_the_base_image_built_twice_from_nothing_is_the_same_bytes(tmp_path: Pat
     lock (a unit test holds them to that), so two cold builds in two caches run the same machinery (debootstrap
     from the mirror, the Debian lock check, SOURCE_DATE_EPOCH, pip --require-hashes, compileall, rkit's stamps,
     the cleanup, squashfs times, the SIF header) in about a minute each. The full cpu image: make verify-image."""
-    from rkit import imagerepro
+    from rkit.images import repro as imagerepro
 
     require_apptainer()
     built = []

@@ -13,9 +13,9 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-from rkit.image import apptainer, image_info, sha256_file
-from rkit.rundir import RunDir
-from rkit.telemetry.metrics import merged
+from rkit.contract.rundir import RunDir
+from rkit.images.store import apptainer, image_info, sha256_file
+from rkit.runtime.telemetry.metrics import merged
 
 from ..conftest import MIRROR, REPO, require_maxtext, rkit
 from ..unit.test_container_definitions import lock_entries, normalize
@@ -80,7 +80,8 @@ def test_in_image_packages_equal_the_lock(cpu_image: Path):
 
 
 def test_the_images_environment_identity_inside_and_as_a_label_is_what_rkit_reads_from_it(cpu_image: Path):
-    from rkit.image import identify, labels
+    from rkit.images.identity import identify
+    from rkit.images.store import labels
 
     found = identify("cpu", cpu_image)
     assert labels(cpu_image)["org.rkit.environment.sha256"] == found.environment_sha256
@@ -89,7 +90,7 @@ def test_the_images_environment_identity_inside_and_as_a_label_is_what_rkit_read
     assert found.environment["build"]["debian_lock_sha256"] == sha256_file(
         REPO / "containers" / "lock" / "debian-trixie.txt")
     # The Debian packages are the lock's, and the image keeps its own record of them (with each .deb's digest).
-    from rkit import debianlock
+    from rkit.runtime import debianlock
 
     locked = debianlock.parse((REPO / "containers" / "lock" / "debian-trixie.txt").read_text())
     assert {name: version for name, (version, _) in locked.items()} == found.environment["debian"]
@@ -124,7 +125,7 @@ def test_every_pyc_in_the_image_is_unchecked_so_imports_never_hash_the_sources(c
 @pytest.mark.verify_image
 def test_a_second_cold_build_of_the_same_inputs_is_the_same_bytes(cpu_image: Path, tmp_path: Path):
     # Another cache: the same definition, locks and mirror, built from nothing (debootstrap, pip, squashfs).
-    from rkit import imagerepro
+    from rkit.images import repro as imagerepro
 
     done = rkit("image", "build", "cpu", *MIRROR, env={"RKIT_IMAGE_CACHE": str(tmp_path / "cache")},
                 timeout=3600, check=0)
@@ -173,7 +174,7 @@ def test_an_image_without_rkit_trains_with_the_agent_rkit_brings(image_without_r
     stamp = run.load_manifest()
     assert stamp["image"]["agent"] == "bound" and stamp["image"]["python"] == "/opt/venv/bin/python"
     assert image_run.load_manifest()["image"]["agent"] == "image"  # rkit's own image brings its own
-    assert (run.path / "agent" / "rkit" / "agent.py").is_file()
+    assert (run.path / "agent" / "rkit" / "runtime" / "agent.py").is_file()
     own = {k: v for k, v in image_info(cpu_image)["packages"].items() if k != "rkit"}
     for rank in (0, 1):
         env = json.loads((run.attempt_dir(1) / "env" / f"rank-{rank}.json").read_text())
@@ -182,7 +183,7 @@ def test_an_image_without_rkit_trains_with_the_agent_rkit_brings(image_without_r
         assert env["packages"] == own  # the image's own package list, recorded per rank
         assert env["jax"]["process_count"] == 2
     argv = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["ranks"][0]["argv"]
-    assert argv[argv.index(str(image_without_rkit)) + 1:][:3] == ["/opt/venv/bin/python", "-m", "rkit.agent"]
+    assert argv[argv.index(str(image_without_rkit)) + 1:][:3] == ["/opt/venv/bin/python", "-m", "rkit.runtime.agent"]
     # Same lock, same config: the same training as in rkit's own image.
     assert merged(run, 0)[29]["loss"] == merged(image_run, 0)[29]["loss"]
 

@@ -21,9 +21,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rkit.rundir import RunDir
-from rkit.telemetry.metrics import merged
-from rkit.telemetry.node import node_name
+from rkit.contract.rundir import RunDir
+from rkit.runtime.telemetry.metrics import merged
+from rkit.runtime.telemetry.node import node_name
 
 from ..conftest import TINY, free_port, require_maxtext, require_prometheus, wait_until
 

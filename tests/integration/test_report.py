@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rkit import report
-from rkit.rundir import RunDir
+from rkit.contract.rundir import RunDir
+from rkit.readers import report
 
 from ..conftest import TINY, require_maxtext, rkit
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rkit.rundir import RunDir
-from rkit.telemetry.metrics import merged
+from rkit.contract.rundir import RunDir
+from rkit.runtime.telemetry.metrics import merged
 
 from ..conftest import REPO, rkit, wait_until
 from .slurm_helpers import (

@@ -13,9 +13,9 @@ import subprocess
 import psutil
 import pytest
 
-from rkit.rundir import RunDir
-from rkit.telemetry import metrics
-from rkit.telemetry.metrics import merged
+from rkit.contract.rundir import RunDir
+from rkit.runtime.telemetry import metrics
+from rkit.runtime.telemetry.metrics import merged
 
 from ..conftest import wait_until
 from .slurm_helpers import (
@@ -125,7 +125,7 @@ def node_processes(run: RunDir, node: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         argv = proc.info["cmdline"] or []
-        if "rkit.telemetry.node" in argv and str(run.path.resolve()) in argv and node in argv:
+        if "rkit.runtime.telemetry.node" in argv and str(run.path.resolve()) in argv and node in argv:
             found = [proc, proc.parent()]
     return found
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rkit.rundir import RunDir
-from rkit.telemetry.metrics import lines, merged, read_rank
+from rkit.contract.rundir import RunDir
+from rkit.runtime.telemetry.metrics import lines, merged, read_rank
 
 from ..conftest import TINY, missing_test_bed, require_maxtext, rkit, wait_until
 
@@ -163,7 +163,7 @@ def test_a_finished_run_resumed_with_more_steps_trains_on_to_the_new_end(workspa
 
 
 def maxtext_committed(run: RunDir) -> int | None:
-    from rkit.trainers.maxtext import latest_committed_step
+    from rkit.runtime.trainers.maxtext import latest_committed_step
 
     return latest_committed_step(run)
 
@@ -193,7 +193,7 @@ def test_fault_then_resume_matches_uninterrupted_loss(workspace, baseline, name,
     ready = max(e["t"] for e in events(run, "agent.ready") if e["attempt"] == 2)
     assert 0 < restored["restore_seconds"] < restored["t"] - ready
     assert ready - 1 <= restored["restore_started"] <= restored["t"]
-    from rkit.telemetry.goodput import run_goodput
+    from rkit.readers.goodput import run_goodput
 
     assert run_goodput(run).seconds["restore"] == pytest.approx(restored["restore_seconds"], abs=0.01)
     # Bit for bit: the same final loss as the run that was never interrupted.
@@ -496,7 +496,7 @@ def test_a_failing_ranks_own_error_is_in_status_and_the_events(workspace: Path):
 
 def memory_capped_cgroup(limit: int) -> Path:
     """A child of this process's memory cgroup with a memory limit (v1 or v2); skips where none can be made."""
-    from rkit import oomkills
+    from rkit.run import oomkills
 
     own = oomkills.memory_cgroup(os.getpid())
     if own is None:

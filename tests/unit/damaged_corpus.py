@@ -68,8 +68,8 @@ class Case:
 
 def build_good(root: Path) -> Path:
     """The good inputs every case folder starts as (see the module's docstring); returns `root`."""
-    from rkit import outcome
-    from rkit.rundir import RunDir
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import outcome
 
     from .test_bench import saved_result
 

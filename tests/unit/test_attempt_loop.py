@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from rkit import outcome
 from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit
-from rkit.image import ImageIdentity, sha256_file
-from rkit.policy import Cause, Progress, RunState
-from rkit.recipe import load_recipe
-from rkit.rundir import EV, RunDir
-from rkit.supervisor import Supervisor
-from rkit.trainers import maxtext
+from rkit.contract.rundir import EV, RunDir
+from rkit.images.identity import ImageIdentity
+from rkit.images.store import sha256_file
+from rkit.readers import outcome
+from rkit.recipe.load import load_recipe
+from rkit.run.policy import Cause, Progress, RunState
+from rkit.run.supervisor import Supervisor
+from rkit.runtime.trainers import maxtext
 
 from ..conftest import TINY
 
@@ -329,7 +330,7 @@ def test_user_stop(tmp_path):
 
 
 def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_any_attempt(tmp_path):
-    from rkit.errors import RkitError
+    from rkit.contract.errors import RkitError
 
     sup, backend = make(tmp_path, Script(unseen=(("n2",),)))
     with pytest.raises(RkitError, match="n2 cannot see"):
@@ -425,10 +426,10 @@ def test_disk_full_ends_the_attempt_at_once_and_the_run_stops(tmp_path):
 
 def test_a_rank_failing_on_a_full_file_system_is_disk_full_even_with_a_silent_log(tmp_path, monkeypatch):
     # The whole run directory on the full file system: the rank's log could not take the error either.
-    import rkit.attemptwatch
+    import rkit.run.attemptwatch
 
     sup, _ = make(tmp_path, Script(exit=(1, 6, 1)))
-    monkeypatch.setattr(rkit.attemptwatch, "filesystem", lambda path: ("/full", 4096))
+    monkeypatch.setattr(rkit.run.attemptwatch, "filesystem", lambda path: ("/full", 4096))
     outcome = attempt(sup)
     assert outcome.cause is Cause.DISK_FULL
     assert outcome.detail.startswith("disk full: a rank failed or stopped with no room left on the run directory")
@@ -436,18 +437,18 @@ def test_a_rank_failing_on_a_full_file_system_is_disk_full_even_with_a_silent_lo
 
 
 def test_a_rank_failing_with_room_on_disk_is_not_disk_full(tmp_path, monkeypatch):
-    import rkit.attemptwatch
+    import rkit.run.attemptwatch
 
     sup, _ = make(tmp_path, Script(exit=(1, 6, 1)))
-    monkeypatch.setattr(rkit.attemptwatch, "filesystem", lambda path: ("/roomy", 10 << 20))
+    monkeypatch.setattr(rkit.run.attemptwatch, "filesystem", lambda path: ("/roomy", 10 << 20))
     assert attempt(sup).cause is Cause.TASK_EXIT
 
 
 def test_an_unwritable_run_directory_stops_the_attempt_with_one_diagnosis(tmp_path, monkeypatch):
     import os
 
-    from rkit import rundir
-    from rkit.errors import RunDirUnwritable
+    from rkit.contract import rundir
+    from rkit.contract.errors import RunDirUnwritable
 
     sup, backend = make(tmp_path, Script())
     real_emit = sup.run.emit
@@ -469,8 +470,8 @@ def test_an_unwritable_run_directory_stops_the_attempt_with_one_diagnosis(tmp_pa
 def test_a_refused_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
     import errno
 
-    from rkit import rundir
-    from rkit.errors import RunDirUnwritable
+    from rkit.contract import rundir
+    from rkit.contract.errors import RunDirUnwritable
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -507,7 +508,7 @@ def test_a_step_directory_without_its_commit_marker_is_moved_aside_before_the_at
 
 
 def test_orbax_files_that_a_restore_needs_are_checked(tmp_path):
-    from rkit.trainers.maxtext import step_problem
+    from rkit.runtime.trainers.maxtext import step_problem
 
     step = tmp_path / "20"
     proc = step / "items" / "ocdbt.process_0"
@@ -565,8 +566,8 @@ def test_a_rank_out_of_memory_is_named_and_not_retried(tmp_path):
 
 
 def test_the_startup_phase_is_named_from_the_agents_events(tmp_path, monkeypatch):
-    from rkit import attemptwatch
-    from rkit.attemptwatch import StartupPhase
+    from rkit.run import attemptwatch
+    from rkit.run.attemptwatch import StartupPhase
 
     events_file = tmp_path / "events.jsonl"
     events_file.write_text(json.dumps({"event": "agent.ready", "attempt": 1, "rank": 0}) + "\n")  # an older attempt
@@ -606,7 +607,7 @@ def test_the_progress_message_names_the_phase_then_the_final_save(tmp_path):
 def test_every_event_rkit_writes_passes_the_vocabularys_field_types(tmp_path):
     # The readers skip an event whose fields have other types than EVENT_FIELD_TYPES says; the notes rkit itself
     # writes (a standby step's name in `step`, lists of nodes) must never be among them.
-    from rkit.rundir import valid_event
+    from rkit.contract.rundir import valid_event
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rkit import bench, compare, determinism, outcome
-from rkit.errors import RkitError
+from rkit.contract.errors import RkitError
+from rkit.readers import bench, compare, outcome
+from rkit.runtime import determinism
 
 from .test_compare import LOSSES, record
 
@@ -206,7 +207,7 @@ def test_history_names_its_units_and_the_saved_names(tmp_path: Path, monkeypatch
     assert table[3].split()[:2] == ["0002", "new-image"]
     rss = bench.render_history(bench.history_points(store, "host_rss"), "host_rss").splitlines()
     assert "MEDIAN (MiB)" in rss[1] and float(rss[2].split()[3]) == 1024
-    from rkit import report
+    from rkit.readers import report
 
     seen = {}
     monkeypatch.setattr(report, "save_png", lambda fig, path: seen.update(

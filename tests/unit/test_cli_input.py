@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rkit.errors import RkitError
-from rkit.recipe import parse_recipe
-from rkit.rundir import RunDir
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir
+from rkit.recipe.load import parse_recipe
+from rkit.run.lock import RunLock
 
 from ..conftest import TINY
 
@@ -79,7 +80,7 @@ def test_existing_run_needs_resume_and_a_held_lock_refuses(cli, workdir: Path):
     run.resolved.write_text("{}")
     done = cli("run", str(TINY), cwd=workdir)
     assert done.returncode == 2 and "--resume" in done.stderr and "already exists" in done.stderr
-    with run.lock():
+    with RunLock.of(run):
         done = cli("run", str(TINY), "--resume", cwd=workdir)
     assert done.returncode == 2 and "in use by pid" in done.stderr
     assert run.resolved.read_text() == "{}"  # nothing was touched
@@ -139,7 +140,7 @@ def test_dry_run_prints_what_would_start_and_writes_nothing(tmp_path, cli):
     assert list(tmp_path.iterdir()) == []  # no run directory, nothing else
     out = done.stdout
     assert "# rank 0: log runs/tiny-cpu/attempts/1/rank-0.log" in out and "# rank 1:" in out
-    assert "-m rkit.agent" in out and "steps=100" in out and "  FOO=bar" in out and "  RKIT_RANK=1" in out
+    assert "-m rkit.runtime.agent" in out and "steps=100" in out and "  FOO=bar" in out and "  RKIT_RANK=1" in out
     assert '"kind": "kill"' in out  # the injection reaches the ranks
     slurm = cli("run", str(TINY), "--dry-run", "-o", "launcher=slurm", "-o", "slurm.partition=debug", cwd=tmp_path,
                 check=0)

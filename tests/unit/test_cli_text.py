@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rkit import compare
-from rkit.inject import KINDS
+from rkit.readers import compare
+from rkit.runtime.inject import KINDS
 
 from .synthetic_run import write_run
 from .test_compare import LOSSES, noisy, record

@@ -9,9 +9,9 @@ import struct
 
 import pytest
 
-from rkit import compare, outcome
-from rkit.errors import RkitError
-from rkit.rundir import RunDir
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir
+from rkit.readers import compare, outcome
 
 from ..conftest import rkit
 
@@ -132,7 +132,7 @@ def test_time_to_first_step_is_the_attempts_first_step_event_whichever_rank_it_n
 
 
 def test_compare_says_the_learning_rate_schedule_differs_when_the_steps_do(tmp_path):
-    from rkit.recipe import load_recipe
+    from rkit.recipe.load import load_recipe
 
     from ..conftest import TINY
 

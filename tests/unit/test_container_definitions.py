@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from spython.main.parse.parsers import SingularityParser
 
-from rkit.errors import RkitError
-from rkit.image import FLAVORS
-from rkit.imagebuild import definition_arguments, plan_build
+from rkit.contract.errors import RkitError
+from rkit.images.build import definition_arguments, plan_build
+from rkit.images.store import FLAVORS
 
 from ..conftest import REPO
 
@@ -46,8 +46,8 @@ def test_base_definition_is_the_cpu_one_with_setuptools_alone():
 
     diff = difflib.unified_diff(definition_lines("cpu"), definition_lines("base"), lineterm="", n=0)
     changed = [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    assert changed == ["-    FLAVOR=cpu", "+    FLAVOR=base", '-    exec /opt/venv/bin/python -m rkit.agent "$@"',
-                       '+    exec /opt/venv/bin/python "$@"']
+    agent = '    exec /opt/venv/bin/python -m rkit.runtime.agent "$@"'
+    assert changed == ["-    FLAVOR=cpu", "+    FLAVOR=base", f"-{agent}", '+    exec /opt/venv/bin/python "$@"']
     cpu = dict(lock_entries(CONTAINERS / "lock" / "cpu.txt"))
     base = dict(lock_entries(CONTAINERS / "lock" / "base.txt"))
     assert list(base) == [next(req for req in cpu if req.startswith("setuptools=="))]
@@ -174,17 +174,20 @@ def test_gpu_lock_resolves_for_its_platform(flavor, python, tmp_path):
 
 
 def test_image_side_files_cover_what_the_agent_imports():
-    """The cache key covers the rkit modules that run inside an image: the agent's whole import closure."""
-    from rkit.image import IMAGE_SIDE_FILES
+    """The cache key covers the rkit modules that run inside an image: the whole import closure of every runtime/
+    module (the agent, its standby, the build's helpers), imported for real."""
+    from rkit.images.store import PACKAGE, image_side_files
 
-    code = ("import sys, rkit.agent, rkit.manifest, rkit.trainers.maxtext, rkit.imageinfo, rkit.telemetry.node, "
-            "rkit.telemetry.health, rkit.telemetry.exporter; "
+    entries = sorted(".".join(("rkit", *p.relative_to(PACKAGE).with_suffix("").parts))
+                     for p in (PACKAGE / "runtime").rglob("*.py") if p.name != "__init__.py")
+    assert "rkit.runtime.agent" in entries and "rkit.runtime.standby" in entries
+    code = (f"import sys, {', '.join(entries)}; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('rkit'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     for module in done.stdout.split():
         parts = module.split(".")[1:]
         candidates = {"/".join(parts) + ".py", "/".join(parts + ["__init__.py"])} if parts else {"__init__.py"}
-        assert candidates & set(IMAGE_SIDE_FILES), module
+        assert candidates & set(image_side_files()), module
 
 
 @pytest.mark.parametrize("mirror", ["http://deb.debian.org/debian; rm -rf /", "http://u:pw@mirror/debian",
@@ -197,12 +200,13 @@ def test_mirror_is_only_a_plain_http_url(mirror):
 
 
 def test_a_cached_image_is_used_only_while_its_digest_is_the_recorded_one(tmp_path, monkeypatch):
-    from rkit import image
+    from rkit.images import identity as image
+    from rkit.images.store import sha256_file
 
     monkeypatch.setenv("RKIT_IMAGE_CACHE", str(tmp_path))
     sif = tmp_path / "cpu-abc.sif"
     sif.write_bytes(b"an image")
-    digest = image.sha256_file(sif)
+    digest = sha256_file(sif)
     (tmp_path / "cpu-abc.json").write_text(json.dumps({"flavor": "cpu", "path": str(sif), "sha256": digest,
                                                        "key_material": {}, "built": 1}))
     assert image.resolve_flavor("cpu", want_sha256=digest) == sif
@@ -214,11 +218,12 @@ def test_a_cached_image_is_used_only_while_its_digest_is_the_recorded_one(tmp_pa
 def test_an_image_rewritten_in_place_with_its_old_mtime_is_refused_before_the_next_attempt(tmp_path):
     import os
 
-    from rkit import image
+    from rkit.images import identity as image
+    from rkit.images.store import sha256_file
 
     sif = tmp_path / "x.sif"
     sif.write_bytes(b"image one")
-    identity = image.ImageIdentity(reference=str(sif), path=str(sif), sha256=image.sha256_file(sif), flavor=None)
+    identity = image.ImageIdentity(reference=str(sif), path=str(sif), sha256=sha256_file(sif), flavor=None)
     identity.check_unchanged()  # the stamped image: passes (from the command's memo)
     before = sif.stat()
     for _ in range(100_000):  # same inode, same size, other bytes, the mtime set back; until the kernel's coarse
@@ -234,7 +239,7 @@ def test_an_image_rewritten_in_place_with_its_old_mtime_is_refused_before_the_ne
 
 
 def test_an_empty_cache_names_the_build_command(tmp_path, monkeypatch):
-    from rkit import image
+    from rkit.images import identity as image
 
     monkeypatch.setenv("RKIT_IMAGE_CACHE", str(tmp_path))
     with pytest.raises(RkitError, match=r"no cpu image built .* `make image FLAVOR=cpu`"):

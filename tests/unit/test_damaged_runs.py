@@ -41,7 +41,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rkit.errors import RkitError
+from rkit.contract.errors import RkitError
 
 from .damaged_corpus import CORPUS, NESTED_DICT, NESTED_LIST, Case, build_good, expand, prepare
 
@@ -79,8 +79,8 @@ def forkserver() -> Any:
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["rkit.cli", "rkit.report", "rkit.bench", "rkit.listing", "rkit.status",
-                                "tests.unit.test_damaged_runs"])
+    ctx.set_forkserver_preload(["rkit.cli", "rkit.readers.report", "rkit.readers.bench", "rkit.readers.listing",
+                                "rkit.readers.status", "tests.unit.test_damaged_runs"])
     return ctx
 
 
@@ -172,10 +172,10 @@ def run_fresh(argv: list[str], cwd: Path) -> Done:
 def good(tmp_path_factory) -> Path:
     """The good inputs, built once; the commands' modules imported and matplotlib's fonts found in this process,
     so that the forked children start warm."""
-    from rkit import bench, cli, compare, image, inject, listing, manifest, outcome, recipe, runner  # noqa: F401
-    from rkit.report import write_report
-    from rkit.rundir import RunDir
-    from rkit.status import render_status, status
+    from rkit.contract.rundir import RunDir
+    from rkit.readers.report import write_report
+    from rkit.readers.status import render_status, status
+    from rkit.run import runner  # noqa: F401
 
     root = build_good(tmp_path_factory.mktemp("damaged-corpus") / "good")
     write_report(RunDir(root / "runs" / "good"), tmp_path_factory.mktemp("warm-report"))
@@ -308,7 +308,7 @@ def copy_of_good(good: Path, d: str) -> Path:
 @fuzz
 @given(data=garbage | st.lists(values, max_size=8).map(lambda rows: jsonl(rows).encode()))
 def test_read_jsonl_yields_objects_or_refuses(data: bytes):
-    from rkit.rundir import last_jsonl, read_jsonl
+    from rkit.contract.rundir import last_jsonl, read_jsonl
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "x.jsonl"
@@ -321,7 +321,7 @@ def test_read_jsonl_yields_objects_or_refuses(data: bytes):
 @fuzz
 @given(data=st.data())
 def test_object_files_load_or_refuse(good: Path, docs: dict, data):
-    from rkit.rundir import RunDir
+    from rkit.contract.rundir import RunDir
 
     raw = data.draw(garbage | values.map(lambda v: json.dumps(v).encode())
                     | mutated(docs["resolved"]).map(lambda v: json.dumps(v).encode()))
@@ -336,9 +336,9 @@ def test_object_files_load_or_refuse(good: Path, docs: dict, data):
 @fuzz
 @given(data=st.data())
 def test_status_and_listing_read_or_refuse(good: Path, docs: dict, data):
-    from rkit import listing
-    from rkit.rundir import RunDir
-    from rkit.status import render_status, status
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import listing
+    from rkit.readers.status import render_status, status
 
     events = data.draw(mutated(docs["events"]), label="events")
     metrics = data.draw(mutated(docs["metrics"]), label="metrics")
@@ -355,8 +355,8 @@ def test_status_and_listing_read_or_refuse(good: Path, docs: dict, data):
 @fuzz
 @given(data=st.data())
 def test_compare_reads_outcomes_or_refuses(good: Path, docs: dict, data):
-    from rkit import compare, outcome
-    from rkit.rundir import RunDir
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import compare, outcome
 
     record = data.draw(mutated(docs["outcome"]))
     with tempfile.TemporaryDirectory() as d:
@@ -372,7 +372,7 @@ def test_compare_reads_outcomes_or_refuses(good: Path, docs: dict, data):
 @fuzz
 @given(data=st.data())
 def test_bench_compare_reads_results_or_refuses(good: Path, docs: dict, data):
-    from rkit import bench, compare
+    from rkit.readers import bench, compare
 
     document = data.draw(mutated(docs["bench"]))
     with tempfile.TemporaryDirectory() as d:
@@ -392,8 +392,8 @@ def test_bench_compare_reads_results_or_refuses(good: Path, docs: dict, data):
 @fuzz
 @given(data=st.data())
 def test_diff_reads_manifests_or_refuses(good: Path, docs: dict, data):
-    from rkit.display import readable_times
-    from rkit.manifest import diff_sources, render_diff
+    from rkit.readers.diff import diff_sources, render_diff
+    from rkit.readers.display import readable_times
 
     document = data.draw(mutated(docs["manifest"]) | values)
     with tempfile.TemporaryDirectory() as d:

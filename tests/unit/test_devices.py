@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.parametrize("vendor,names", [("nvidia", ["CUDA_VISIBLE_DEVICES"]), ("amd", ["HIP_VISIBLE_DEVICES"]),
                                           ("", ["CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"])])
 def test_each_local_rank_gets_its_share_of_the_node_gpus(vendor: str, names: list[str]):
-    from rkit import devices
+    from rkit.runtime import devices
 
     env = {devices.GPUS_ENV: "8", devices.PER_NODE_ENV: "4", devices.VENDOR_ENV: vendor}
     shares = [devices.binding(env, r) for r in range(4)]
@@ -28,8 +28,8 @@ def test_each_local_rank_gets_its_share_of_the_node_gpus(vendor: str, names: lis
 
 
 def test_the_binding_reaches_the_rank_env_manifest_and_an_event(tmp_path: Path, monkeypatch):
-    from rkit import agent, devices
-    from rkit.rundir import RunDir
+    from rkit.contract.rundir import RunDir
+    from rkit.runtime import agent, devices
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rkit.rundir import RunDir
-from rkit.telemetry import exporter
+from rkit.contract.rundir import RunDir
+from rkit.runtime.telemetry import exporter
 
 from ..conftest import wait_until
 from .test_telemetry import self_signed, synthetic_run

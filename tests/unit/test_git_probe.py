@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rkit import manifest
+from rkit.runtime import manifest
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from rkit.rundir import RunDir
-from rkit.telemetry import goodput
-from rkit.telemetry.stragglers import find_stragglers, straggler_events
+from rkit.contract.rundir import RunDir
+from rkit.readers import goodput
+from rkit.run.stragglers import find_stragglers, straggler_events
 
 from .synthetic_run import EXPECTED, T0, events, metric_lines, write_run
 
@@ -95,7 +95,7 @@ def test_maxtext_raw_lines_are_placed_on_attempts_and_timed():
            {"t": 200.0, "event": "attempt.first_step", "attempt": 3}]  # attempt 2 never stepped
     raw = [{"step": s, "perf/step_time_seconds": 2.0, "learning/loss": 1.0, "rank": 0} for s in (0, 1, 2, 3)]
     raw += [{"step": s, "perf/step_time_seconds": 1.0, "learning/loss": 1.0, "rank": 0} for s in (2, 3, 4)]
-    from rkit.telemetry.metrics import normalize
+    from rkit.runtime.telemetry.metrics import normalize
 
     placed = goodput.place_lines(evs, [{**normalize(r), "rank": 0} for r in raw])
     assert [(x["attempt"], x["step"], x["t"], x["recomputed"]) for x in placed] == [
@@ -180,7 +180,7 @@ ORBAX_RESTORED = ("I1201 17:26:47.156346 140582557404032 standard_logger.py:34] 
 
 
 def test_orbax_restore_record_in_the_ranks_logs_is_the_restore_span(tmp_path):
-    from rkit.ranklogs import LogScan
+    from rkit.run.ranklogs import LogScan
 
     logs = [tmp_path / "rank-0.log", tmp_path / "rank-1.log", tmp_path / "rank-2.log"]
     logs[0].write_text("I1201 config...\n" + ORBAX_RESTORED % ("1000.5", "0.25") + "completed step: 10\n")

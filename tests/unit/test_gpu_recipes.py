@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rkit.backends.slurm import render_batch
-from rkit.recipe import load_recipe
-from rkit.rundir import RunDir
+from rkit.backends.slurm.launcher import render_batch
+from rkit.contract.rundir import RunDir
+from rkit.recipe.load import load_recipe
 
 from ..conftest import REPO
 

@@ -14,7 +14,8 @@ class Block:
         if name.split('.')[0] in ('jax', 'jaxlib', 'maxtext', 'orbax', 'flax'):
             raise ImportError('blocked for this test: ' + name)
 sys.meta_path.insert(0, Block())
-import rkit.cli, rkit.runner, rkit.status, rkit.report, rkit.manifest, rkit.supervisor, rkit.display
+import rkit.cli, rkit.run.runner, rkit.readers.status, rkit.readers.report, rkit.runtime.manifest
+import rkit.run.supervisor, rkit.readers.display
 from rkit.cli import main
 sys.argv = ['rkit', 'validate', sys.argv[1]]
 main()

@@ -21,9 +21,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rkit.defaults import schema
-from rkit.errors import RkitError
-from rkit.recipe import parse_recipe
+from rkit.contract.defaults import schema
+from rkit.contract.errors import RkitError
+from rkit.recipe.load import parse_recipe
 
 from ..conftest import REPO, TINY
 

@@ -9,21 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from rkit import imageagent
-from rkit.image import IMAGE_SIDE_FILES, sha256_tree
-from rkit.rundir import RunDir
+from rkit.contract.rundir import RunDir
+from rkit.images import probe as imageagent
+from rkit.images.store import PACKAGE, image_side_files, sha256_tree
 
 
 def test_the_bound_agent_is_a_self_contained_copy_that_needs_only_the_standard_library(tmp_path: Path):
     where = imageagent.install(tmp_path)
     assert where == tmp_path / "agent"
     copied = sorted(str(p.relative_to(where / "rkit")) for p in (where / "rkit").rglob("*") if p.is_file())
-    assert copied == sorted(IMAGE_SIDE_FILES)
-    assert sha256_tree(where / "rkit") == sha256_tree(imageagent.PACKAGE)
+    assert copied == sorted(image_side_files())
+    assert sha256_tree(where / "rkit") == sha256_tree(PACKAGE)
     # -I -S: no site-packages at all, no PYTHONPATH: only the standard library and the copy.
     done = subprocess.run([sys.executable, "-I", "-S", "-c",
-                           f"import sys; sys.path.insert(0, {str(where)!r}); import rkit.agent, rkit.manifest, "
-                           "rkit.telemetry.node; print(rkit.__file__)"], capture_output=True, text=True, check=False)
+                           f"import sys; sys.path.insert(0, {str(where)!r}); import rkit.runtime.agent, "
+                           "rkit.runtime.manifest, rkit.runtime.telemetry.node; print(rkit.__file__)"],
+                          capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(where / "rkit" / "__init__.py")
 
@@ -33,13 +34,13 @@ def test_a_second_install_replaces_the_copy_whole(tmp_path: Path):
     stale = tmp_path / "agent" / "rkit" / "stale.py"
     stale.write_text("raise SystemExit('old agent')\n")
     imageagent.install(tmp_path)
-    assert not stale.exists() and (tmp_path / "agent" / "rkit" / "agent.py").is_file()
+    assert not stale.exists() and (tmp_path / "agent" / "rkit" / "runtime" / "agent.py").is_file()
     assert sorted(p.name for p in (tmp_path / "agent").iterdir()) == ["rkit"]  # no staging left behind
 
 
 def test_both_launchers_run_the_images_python_with_the_bound_agent_on_its_path(tmp_path: Path, monkeypatch):
-    from rkit.backends.local import Container, LocalBackend
-    from rkit.backends.slurm import SlurmStepBackend
+    from rkit.backends.local.launcher import Container, LocalBackend
+    from rkit.backends.slurm.launcher import SlurmStepBackend
 
     container = Container(apptainer="apptainer", sif="/images/x.sif", python="/usr/bin/python3",
                           agent_path="/runs/r/agent")
@@ -47,7 +48,7 @@ def test_both_launchers_run_the_images_python_with_the_bound_agent_on_its_path(t
                                                      attempt_dir=tmp_path, cwd=tmp_path, port=1234,
                                                      host_env={"PATH": "/bin"}).ranks[0]
     at = rank.argv.index("/images/x.sif")
-    assert rank.argv[at + 1:at + 4] == ["/usr/bin/python3", "-m", "rkit.agent"]
+    assert rank.argv[at + 1:at + 4] == ["/usr/bin/python3", "-m", "rkit.runtime.agent"]
     assert rank.env["APPTAINERENV_PYTHONPATH"] == "/runs/r/agent"
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "42")
@@ -57,7 +58,7 @@ def test_both_launchers_run_the_images_python_with_the_bound_agent_on_its_path(t
             attempt=1, processes=1, trainer_args=[], base_env={}, attempt_dir=tmp_path, cwd=tmp_path, port=1,
             host_env={"PYTHONPATH": "/host/venv/launch"})
         at = step.argv.index("/usr/bin/python3")
-        assert step.argv[at + 1:at + 3] == ["-m", "rkit.agent"], launch
+        assert step.argv[at + 1:at + 3] == ["-m", "rkit.runtime.agent"], launch
         assert step.env["PYTHONPATH"] == "/runs/r/agent", launch  # never the host's
     own = SlurmStepBackend(nodes_per_step=1, tasks_per_node=1, container_launch="oci", sif="/images/x.sif").prepare(
         attempt=1, processes=1, trainer_args=[], base_env={}, attempt_dir=tmp_path, cwd=tmp_path, port=1,
@@ -70,7 +71,7 @@ def test_maxtexts_tensorboard_summaries_go_to_the_run_directory(tmp_path: Path, 
     pytest.importorskip("tensorboardX")
     from maxtext.utils import max_utils
 
-    from rkit.trainers.maxtext import route_tensorboard
+    from rkit.runtime.trainers.maxtext import route_tensorboard
 
     monkeypatch.setattr(max_utils, "initialize_summary_writer", max_utils.initialize_summary_writer)
     run = RunDir(tmp_path / "run")

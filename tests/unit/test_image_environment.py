@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rkit import imageenv
-from rkit.errors import RkitError
-from rkit.image import ImageIdentity
+from rkit.contract.errors import RkitError
+from rkit.images import env as imageenv
+from rkit.images.identity import ImageIdentity
 
 LABELS = {"org.rkit.definition.sha256": "sha256:def", "org.rkit.lock.sha256": "sha256:lock",
           "org.rkit.build.date": "2026-12-01T08:00:00Z"}

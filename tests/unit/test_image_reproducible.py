@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rkit import debianlock, envscan, imageagent, imageenv, imagerepro
+from rkit.images import env as imageenv
+from rkit.images import probe as imageagent
+from rkit.images import repro as imagerepro
+from rkit.runtime import debianlock, envscan
 
 STATUS = """Package: libc6
 Status: install ok installed

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from rkit import manifest
-from rkit.errors import RkitError
-from rkit.inject import parse_injection, parse_injections, pending
-from rkit.rundir import RunDir
-from rkit.stamp import is_secret_name
-from rkit.telemetry.metrics import MetricsTail, enrich, merged, peak_tflops, ranks, repair_tail
-from rkit.trainers.maxtext import committed_steps, latest_committed_step
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir
+from rkit.contract.stamp import is_secret_name
+from rkit.runtime import manifest
+from rkit.runtime.inject import parse_injection, parse_injections, pending
+from rkit.runtime.telemetry.metrics import MetricsTail, enrich, merged, peak_tflops, ranks, repair_tail
+from rkit.runtime.trainers.maxtext import committed_steps, latest_committed_step
 
 
 def test_parse_injections():
@@ -47,7 +47,7 @@ def test_one_shot_injections_fire_once_per_rkit_run():
 
 
 def test_in_trainer_injections_fire_once_at_their_step_after_the_metrics_before_it(tmp_path, monkeypatch):
-    from rkit import agent
+    from rkit.runtime import agent
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
@@ -227,7 +227,7 @@ def test_a_rank_stops_when_its_supervisor_pipe_closes():
     import os
     import threading
 
-    from rkit.agent import watch_supervisor
+    from rkit.runtime.agent import watch_supervisor
 
     read_end, write_end = os.pipe()
     os.write(write_end, b"tok3n")
@@ -243,7 +243,7 @@ def test_a_rank_stops_when_its_supervisor_pipe_closes():
 def test_no_pipe_or_a_wrong_token_watches_nothing():
     import os
 
-    from rkit.agent import watch_supervisor
+    from rkit.runtime.agent import watch_supervisor
 
     assert watch_supervisor({}) is None
     read_end, write_end = os.pipe()
@@ -255,7 +255,7 @@ def test_no_pipe_or_a_wrong_token_watches_nothing():
 
 
 def test_maxtext_settings_from_the_environment_are_dropped():
-    from rkit import agent
+    from rkit.runtime import agent
 
     env = {"M_STEPS": "5", "M_LEARNING_RATE": "1", "MAXTEXT_HOME": "/x", "XLA_FLAGS": "--y", "HOME": "/root"}
     assert agent.drop_maxtext_settings_from_env(env) == ["M_LEARNING_RATE", "M_STEPS"]

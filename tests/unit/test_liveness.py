@@ -12,12 +12,12 @@ import threading
 
 import pytest
 
-from rkit import heartbeat
 from rkit.backends.base import RankExit
-from rkit.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, suspects
-from rkit.policy import Budgets, Cause, Observation, Outcome, Tally, classify, decide
-from rkit.recipe import load_recipe
-from rkit.rundir import EV
+from rkit.contract import heartbeat
+from rkit.contract.rundir import EV
+from rkit.recipe.load import load_recipe
+from rkit.run.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, suspects
+from rkit.run.policy import Budgets, Cause, Observation, Outcome, Tally, classify, decide
 
 from ..conftest import TINY, wait_until
 from .test_attempt_loop import STEPS, FakeBackend, Script, attempt, events, make
@@ -217,8 +217,8 @@ SRUN_LOGS = {
 
 @pytest.mark.parametrize("case", sorted(SRUN_LOGS))
 def test_srun_failing_to_start_the_step_names_what_slurm_said_and_the_nodes(tmp_path, case):
-    from rkit.backends.slurm import SlurmStepBackend, StepHandle, StepRequest
-    from rkit.rundir import RunDir
+    from rkit.backends.slurm.launcher import SlurmStepBackend, StepHandle, StepRequest
+    from rkit.contract.rundir import RunDir
 
     text, said, nodes = SRUN_LOGS[case]
     run = RunDir(tmp_path / "run")
@@ -239,8 +239,8 @@ def test_srun_failing_to_start_the_step_names_what_slurm_said_and_the_nodes(tmp_
 
 
 def test_status_and_goodput_show_the_detection_and_each_part_of_the_recovery():
-    from rkit.status import StatusFold
-    from rkit.telemetry import goodput
+    from rkit.readers import goodput
+    from rkit.readers.status import StatusFold
 
     t0 = 1000.0
     events = [
@@ -288,8 +288,8 @@ def test_a_node_that_answers_its_probe_while_still_silent_is_probed_again_less_a
 
 
 def test_slurms_oom_kill_report_makes_the_task_out_of_memory(tmp_path):
-    from rkit.backends.slurm import SlurmStepBackend, StepHandle, StepRequest
-    from rkit.rundir import RunDir
+    from rkit.backends.slurm.launcher import SlurmStepBackend, StepHandle, StepRequest
+    from rkit.contract.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from rkit import maxtext_keys
-from rkit.errors import RecipeError
-from rkit.recipe import load_recipe, parse_recipe
+from rkit.contract.errors import RecipeError
+from rkit.recipe import maxtext_keys
+from rkit.recipe.load import load_recipe, parse_recipe
 
 from ..conftest import REPO, TINY, rkit
 

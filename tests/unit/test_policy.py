@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from rkit.policy import Action, Budgets, Cause, Outcome, RunState, Tally, decide, tally_from_events
+from rkit.run.policy import Action, Budgets, Cause, Outcome, RunState, Tally, decide, tally_from_events
 
 BUDGETS = Budgets(max_restarts=3, max_infra_restarts=2, crash_loop_limit=3)
 
@@ -149,9 +149,9 @@ def test_hangs_and_lost_attempts_spend_the_infrastructure_budget(cause):
 
 
 def test_an_attempt_without_an_end_is_found_as_lost(tmp_path, monkeypatch):
-    from rkit.recipe import load_recipe
-    from rkit.rundir import RunDir
-    from rkit.supervisor import Supervisor
+    from rkit.contract.rundir import RunDir
+    from rkit.recipe.load import load_recipe
+    from rkit.run.supervisor import Supervisor
 
     from ..conftest import TINY
 
@@ -172,10 +172,10 @@ def test_a_lost_attempt_whose_processes_still_run_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from rkit.attemptrecord import refuse_if_alive
-    from rkit.attemptrecord import started_at as _started
-    from rkit.errors import RkitError
-    from rkit.rundir import RunDir, write_json_atomic
+    from rkit.contract.errors import RkitError
+    from rkit.contract.rundir import RunDir, write_json_atomic
+    from rkit.run.attemptrecord import refuse_if_alive
+    from rkit.run.attemptrecord import started_at as _started
 
     run = RunDir(tmp_path / "run")
     run.attempt_dir(1).mkdir(parents=True)

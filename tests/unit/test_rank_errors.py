@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rkit import oomkills
-from rkit.ranklogs import rank_error
+from rkit.run import oomkills
+from rkit.run.ranklogs import rank_error
 
 
 def log(tmp_path: Path, text: str) -> Path:
@@ -87,7 +87,7 @@ def test_no_memory_controller_says_nothing(tmp_path):
 
 
 def test_a_fifo_in_place_of_a_rank_log_says_nothing_and_never_waits(tmp_path):
-    from rkit.ranklogs import LogScan, last_error_lines
+    from rkit.run.ranklogs import LogScan, last_error_lines
 
     fifo = tmp_path / "rank-1.log"
     os.mkfifo(fifo)  # no writer: a blocking open would wait forever

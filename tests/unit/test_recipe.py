@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rkit.errors import RecipeError, RkitError
-from rkit.recipe import IDENTITY_KEYS, config_hash, load_recipe, parse_override_value, parse_recipe
+from rkit.contract.errors import RecipeError, RkitError
+from rkit.recipe.load import IDENTITY_KEYS, config_hash, load_recipe, parse_override_value, parse_recipe
 
 from ..conftest import REPO, TINY
 
@@ -58,7 +58,7 @@ def _changed(value):
 
 
 def _operational(path: tuple) -> bool:
-    from rkit.stamp import OPERATIONAL_KEYS
+    from rkit.contract.stamp import OPERATIONAL_KEYS
 
     return path[0] in OPERATIONAL_KEYS or ".".join(path[:2]) in OPERATIONAL_KEYS
 
@@ -201,7 +201,7 @@ def test_binary_and_huge_files(tmp_path: Path):
 
 
 def test_the_typed_view_reads_every_section_of_every_shipped_recipe():
-    from rkit.config import Config
+    from rkit.contract.config import Config
 
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         recipe = load_recipe(path)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rkit import report
-from rkit.errors import RkitError
-from rkit.rundir import RunDir
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir
+from rkit.readers import report
 
 from .synthetic_run import CONFIG_HASH, IMAGE_SHA, T0, write_run
 

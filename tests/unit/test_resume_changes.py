@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from rkit import runner
-from rkit.errors import RkitError
-from rkit.recipe import load_recipe
-from rkit.rundir import RunDir
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir
+from rkit.recipe.load import load_recipe
+from rkit.run import runner
 
 from ..conftest import TINY
 

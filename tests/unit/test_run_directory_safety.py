@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rkit import runner
-from rkit.errors import RkitError
-from rkit.recipe import load_recipe
-from rkit.rundir import PlantedLink, RunDir, write_json_atomic
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import PlantedLink, RunDir, write_json_atomic
+from rkit.recipe.load import load_recipe
+from rkit.run import runner
+from rkit.run.lock import RunLock
 
 from ..conftest import TINY
 
@@ -57,7 +58,7 @@ def test_a_planted_link_is_never_written_through(tmp_path):
         run.emit("x")
     (run.path / ".lock").symlink_to(victim)
     with pytest.raises(PlantedLink, match=r"\.lock: is a symbolic link"):
-        run.lock().acquire()
+        RunLock.of(run).acquire()
     run.resolved.symlink_to(victim)  # an atomic write replaces the link itself
     write_json_atomic(run.resolved, {"a": 1})
     assert not run.resolved.is_symlink() and victim.read_text() == "precious\n"
@@ -96,8 +97,8 @@ def test_a_link_planted_as_a_directory_stops_a_resume_before_any_write(tmp_path,
 
 
 def test_one_redaction_for_events_manifests_and_the_batch_script(tmp_path):
-    from rkit.backends import slurm
-    from rkit.stamp import REDACTED, redact
+    from rkit.backends.slurm import launcher as slurm
+    from rkit.contract.stamp import REDACTED, redact
 
     assert redact({"SLURM_JWT": "eyJ", "nested": [{"url": "https://u:pw@h/x"}], "ok": "https://h/x", "n": 3}) == {
         "SLURM_JWT": REDACTED, "nested": [{"url": f"https://u:{REDACTED}@h/x"}], "ok": "https://h/x", "n": 3}
@@ -106,7 +107,7 @@ def test_one_redaction_for_events_manifests_and_the_batch_script(tmp_path):
     run.emit("x", reason="could not reach https://bob:hunter2@db/x", api_token="abc")
     text = run.events_file.read_text()
     assert "hunter2" not in text and '"abc"' not in text and REDACTED in text
-    from rkit.recipe import RecipeError, parse_recipe
+    from rkit.recipe.load import RecipeError, parse_recipe
 
     recipe = parse_recipe("r.yaml", TINY.read_text(), [f"runs_dir={tmp_path}", "name=s", "launcher=slurm"])
     import dataclasses
@@ -129,7 +130,7 @@ def test_one_redaction_for_events_manifests_and_the_batch_script(tmp_path):
     ("observability.prometheus.interface", "AKIAABCDEFGHIJKLMNOP"),
 ])
 def test_a_credential_anywhere_in_a_recipe_or_an_override_is_refused_and_never_recorded(tmp_path, where, value):
-    from rkit.recipe import RecipeError
+    from rkit.recipe.load import RecipeError
 
     with pytest.raises(RecipeError) as caught:
         load_recipe(TINY, [f"runs_dir={tmp_path}", "name=c", f"{where}={value}"])
@@ -140,7 +141,7 @@ def test_a_credential_anywhere_in_a_recipe_or_an_override_is_refused_and_never_r
 @pytest.mark.parametrize("planted", ["metrics/0.jsonl", "telemetry/c1.jsonl", "attempts/1/rank-0.log",
                                      "events.jsonl"])
 def test_a_file_link_where_rkit_or_a_rank_writes_is_one_diagnosis_before_an_attempt(tmp_path, planted, cli):
-    from rkit import preflight
+    from rkit.run import preflight
 
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=f"])
     with runner.open_run(recipe, resume=False, injections=[]) as (run, _lock):
@@ -184,8 +185,8 @@ def test_resume_restores_the_modes_of_what_rkit_owns_and_names_what_another_user
 
 
 def test_caches_and_the_benchmark_storage_are_created_private(tmp_path, umask_000):
-    from rkit import bench
-    from rkit.safeio import private_dir
+    from rkit.contract.safeio import private_dir
+    from rkit.readers import bench
 
     (tmp_path / "home").mkdir(mode=0o755)
     made = private_dir(tmp_path / "home" / ".cache" / "rkit" / "images")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rkit.backends.slurm import render_batch, sbatch_options, step_port
-from rkit.backends.slurm_steps import SRUN_TASK_EXIT, _ranks
-from rkit.errors import RecipeError
-from rkit.recipe import load_recipe, parse_recipe
-from rkit.rundir import RunDir
+from rkit.backends.slurm.launcher import render_batch, sbatch_options, step_port
+from rkit.backends.slurm.steps import SRUN_TASK_EXIT, _ranks
+from rkit.contract.errors import RecipeError
+from rkit.contract.rundir import RunDir
+from rkit.recipe.load import load_recipe, parse_recipe
 
 from ..conftest import REPO
 
@@ -105,9 +105,9 @@ def test_srun_error_lines_and_ports():
 
 @pytest.mark.parametrize("job_id", ["-1", "--signal=KILL", "12;34", "12 34", "", None, 12, "1_2_3", "abc", "12\n"])
 def test_job_ids_are_checked_before_any_slurm_command(job_id, tmp_path: Path, monkeypatch):
-    from rkit import runner
-    from rkit.backends import slurm
-    from rkit.errors import RkitError
+    from rkit.backends.slurm import launcher as slurm
+    from rkit.contract.errors import RkitError
+    from rkit.run import runner
 
     ran = []
     monkeypatch.setattr(slurm.subprocess, "run", lambda argv, **kw: ran.append(argv))
@@ -126,7 +126,7 @@ def test_job_ids_are_checked_before_any_slurm_command(job_id, tmp_path: Path, mo
 def test_the_coordinator_port_is_checked_free_where_it_can_be():
     import socket
 
-    from rkit.backends.slurm import free_coordinator_port, step_port
+    from rkit.backends.slurm.launcher import free_coordinator_port, step_port
 
     first = step_port("77", 3)
     assert free_coordinator_port("127.0.0.1", "77", 3) == first  # free: the same port as before
@@ -142,10 +142,10 @@ def test_the_coordinator_port_is_checked_free_where_it_can_be():
 
 
 def test_every_apptainer_exec_leaves_the_home_out(tmp_path: Path, monkeypatch):
-    from rkit.backends.local import Container
-    from rkit.backends.slurm import SlurmStepBackend
+    from rkit.backends.local.launcher import Container
+    from rkit.backends.slurm.launcher import SlurmStepBackend
 
-    local = Container(apptainer="apptainer", sif="/images/x.sif", binds=("/runs/r",)).wrap(["-m", "rkit.agent"])
+    local = Container(apptainer="apptainer", sif="/images/x.sif", binds=("/runs/r",)).wrap(["-m", "rkit.runtime.agent"])
     assert local[:4] == ["apptainer", "exec", "--cleanenv", "--no-home"]
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)  # the step runs on this host
     monkeypatch.setenv("SLURM_JOB_ID", "42")

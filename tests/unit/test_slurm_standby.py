@@ -1,5 +1,6 @@
-"""The Slurm standby steps' protocol (backends/slurm_standby.py: one step per healthy node, the spares too) against
-a stand-in srun: a real process whose "tasks" connect back with the token as rkit.standby's do. The real steps on
+"""The Slurm standby steps' protocol (backends/slurm/standby.py: one step per healthy node, the spares too) against
+a stand-in srun: a real process whose "tasks" connect back with the token as rkit.runtime.standby's
+do. The real steps on
 the test bed: test_slurm.py and test_slurm_liveness.py."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from rkit.backends.slurm import StepRequest
-from rkit.backends.slurm_standby import MAX_DEATHS, SlurmStandbyPool, shape, standby_argv
-from rkit.rundir import RunDir
+from rkit.backends.slurm.launcher import StepRequest
+from rkit.backends.slurm.standby import MAX_DEATHS, SlurmStandbyPool, shape, standby_argv
+from rkit.contract.rundir import RunDir
 
 # Each task connects with the token (FAKE=die: the step dies at once; FAKE=one: on c2 one task never does), waits
 # for the order and writes it to order-<task>.json beside its step's logs.
@@ -51,7 +52,7 @@ def request(tmp_path: Path, attempt: int, nodes=("c1", "c2"), fake: str = "", **
     argv = [str(srun), "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={2 * len(nodes)}",
             "--ntasks-per-node=2", f"--nodelist={','.join(nodes)}",
             f"--output={attempt_dir / 'rank-%t.log'}", f"--job-name=attempt-{attempt}", "/opt/venv/bin/python",
-            "-m", "rkit.agent", "steps=40", f"run_name=a{attempt}"]
+            "-m", "rkit.runtime.agent", "steps=40", f"run_name=a{attempt}"]
     env = {"RKIT_RUN_DIR": str(tmp_path), "RKIT_ATTEMPT": str(attempt), "FAKE": fake,
            "RKIT_COORDINATOR": f"c1:{2000 + attempt}", "HF_HOME": "/h", **env}
     return StepRequest(attempt=attempt, argv=argv, nodes=list(nodes), log=attempt_dir / "srun.log", cwd=tmp_path,
@@ -89,7 +90,7 @@ def orders(tmp_path: Path, k: int) -> dict[int, dict]:
 def test_a_standby_step_is_the_attempt_on_one_node_and_its_shape_leaves_placement_out(tmp_path: Path):
     req = request(tmp_path, 1)
     argv = standby_argv(req.argv, tmp_path / "standby" / "step-3", "standby-3", "c3", 2)
-    assert argv[1] == "--overlap" and argv[-3:] == ["/opt/venv/bin/python", "-m", "rkit.standby"]
+    assert argv[1] == "--overlap" and argv[-3:] == ["/opt/venv/bin/python", "-m", "rkit.runtime.standby"]
     assert f"--output={tmp_path / 'standby' / 'step-3' / 'rank-%t.log'}" in argv and "--job-name=standby-3" in argv
     assert {"--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--nodelist=c3"} <= set(argv)
     assert "steps=40" not in argv and "--kill-on-bad-exit=1" in argv
@@ -171,8 +172,8 @@ def test_a_standby_step_that_dies_is_replaced_and_after_three_in_a_row_standbys_
 def test_a_flood_of_idle_slow_and_forged_connections_never_stalls_the_watch_loop(tmp_path: Path):
     """The listener never waits on a peer: 100 idle connections, a slow one, forged and replayed hellos cost each
     pass a few non-blocking calls, and the real tasks still get ready."""
-    from rkit import standby as protocol
-    from rkit.backends import slurm_standby
+    from rkit.backends.slurm import standby as slurm_standby
+    from rkit.runtime import standby as protocol
 
     pool = make_pool([], ["c1"])
     now = [0.0]
@@ -223,7 +224,7 @@ def test_a_flood_of_idle_slow_and_forged_connections_never_stalls_the_watch_loop
 
 
 def test_a_standby_task_applies_only_an_order_the_supervisor_made_that_sets_what_changes_per_attempt():
-    from rkit import standby
+    from rkit.runtime import standby
 
     order = {"env": {"RKIT_RANK": "3", "RKIT_INJECT": None}, "argv": ["steps=4"], "attempt_dir": "/r/a"}
     line = standby.order_line("tok", "nonce", order)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rkit import status as run_status
-from rkit.rundir import RunDir
+from rkit.contract.rundir import RunDir
+from rkit.readers import status as run_status
+from rkit.run.lock import RunLock
 
 from .synthetic_run import T0, write_run
 
@@ -65,7 +66,7 @@ def test_watch_redraws_until_the_run_ends(run: RunDir):
     final = run.events_file.read_text().splitlines()
     run.events_file.write_text("\n".join(final[:-1]) + "\n")  # no run.finished yet
     lines = run.events_file.read_text()
-    lock = run.lock().acquire()  # as a live supervisor does: the run is running until it lets go
+    lock = RunLock.of(run).acquire()  # as a live supervisor does: the run is running until it lets go
     sleeps: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -114,7 +115,7 @@ def test_ls_lists_finished_failed_and_running_runs(tmp_path: Path, cli):
     write_run(root / "d-broken")
     (root / "d-broken" / "manifest.json").write_text("{not json")
     (root / "not-a-run").mkdir()
-    lock = RunDir(root / "c-running").lock().acquire()
+    lock = RunLock.of(RunDir(root / "c-running")).acquire()
     try:
         done = cli("ls", str(root), check=0)
         rows = json.loads(cli("ls", str(root), "--json", check=0).stdout)

@@ -1,4 +1,4 @@
-"""rkit.digest: `rkit status` reads a run's events and rank 0's metrics incrementally, and says exactly what a
+"""rkit.readers.digest: `rkit status` reads a run's events and rank 0's metrics incrementally, and says exactly what a
 full read says: on synthetic runs with restarts, after appends, after a rewrite, with MaxText's raw lines."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rkit import status as run_status
-from rkit.digest import RunDigest
-from rkit.rundir import RunDir
+from rkit.contract.rundir import RunDir
+from rkit.readers import status as run_status
+from rkit.readers.digest import RunDigest
 
 from .synthetic_run import write_run
 

@@ -12,7 +12,7 @@ from tensorboard.compat.proto.event_pb2 import Event  # noqa: E402
 from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: E402
 from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: E402
 
-from rkit.tbmarks import mark_restart  # noqa: E402
+from rkit.run.tbmarks import mark_restart  # noqa: E402
 
 
 def write_losses(logdir, steps, loss, suffix):

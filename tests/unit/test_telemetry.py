@@ -17,9 +17,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rkit.errors import RkitError
-from rkit.rundir import RunDir, read_jsonl
-from rkit.telemetry import exporter, health, node
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir, read_jsonl
+from rkit.runtime.telemetry import exporter, health, node
 
 from ..conftest import rkit, wait_until
 
@@ -337,7 +337,7 @@ def test_non_leader_or_disabled_starts_nothing(run: RunDir):
     run.resolved.write_text(json.dumps(resolved))
     assert node.start_node_services(run, 1, environ={"RKIT_RANK": "0"}) is None
     # Started anyway (an old run without the section), it ends at once.
-    subprocess.run([sys.executable, "-m", "rkit.telemetry.node", "--run", str(run.path), "--attempt", "1",
+    subprocess.run([sys.executable, "-m", "rkit.runtime.telemetry.node", "--run", str(run.path), "--attempt", "1",
                     "--node", "n"], check=True, timeout=60)
     assert not (run.path / "telemetry").exists()
 
@@ -375,8 +375,8 @@ def test_node_process_samples_serves_and_stops_on_sigterm(run: RunDir):
 
 PARENT = """
 import os, sys
-from rkit.rundir import RunDir
-from rkit.telemetry.node import start_node_services
+from rkit.contract.rundir import RunDir
+from rkit.runtime.telemetry.node import start_node_services
 proc = start_node_services(RunDir(sys.argv[1]), 1, "node-b", 1, environ={**os.environ, "RKIT_RANK": "0"})
 print(proc.pid, flush=True)
 """
@@ -446,8 +446,8 @@ def test_tls_serves_https_and_plain_http_beyond_loopback_needs_insecure(run: Run
 
 
 def test_a_recipe_serving_beyond_loopback_needs_tls_or_insecure():
-    from rkit.errors import RecipeError
-    from rkit.recipe import load_recipe
+    from rkit.contract.errors import RecipeError
+    from rkit.recipe.load import load_recipe
 
     from ..conftest import TINY
 

@@ -1,11 +1,12 @@
-"""Hang detection policy (rkit.watchdog): the timeout it allows at each point of an attempt, on an injected clock."""
+"""Hang detection policy (rkit.run.watchdog): the timeout it allows at each point of an attempt, on an injected
+clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from rkit.recipe import load_recipe
-from rkit.watchdog import HangPolicy, HangWatch
+from rkit.recipe.load import load_recipe
+from rkit.run.watchdog import HangPolicy, HangWatch
 
 from ..conftest import TINY
 
@@ -99,9 +100,9 @@ def test_the_learned_step_times_carry_over_between_attempts():
 
 
 def test_straggler_watch_flags_a_slow_node_once(tmp_path):
-    from rkit.rundir import RunDir
-    from rkit.telemetry.metrics import StepMetrics
-    from rkit.telemetry.stragglers import StragglerWatch
+    from rkit.contract.rundir import RunDir
+    from rkit.run.stragglers import StragglerWatch
+    from rkit.runtime.telemetry.metrics import StepMetrics
 
     now = [0.0]
     run = RunDir(tmp_path / "run")

@@ -25,7 +25,7 @@ import subprocess
 from collections.abc import Iterator
 from typing import Any
 
-from .shared_paths import by_task, per_node_argv
+from rkit.backends.shared_paths import by_task, per_node_argv
 
 QUERIES = {
     "nvidia": {

@@ -1,0 +1,110 @@
+"""What the Slurm backend asks Slurm (sinfo, scontrol, squeue) and the job-level actions it takes (requeue,
+exclude, cancel): every call through argv, every job id checked before any Slurm command sees it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import EV
+
+
+def slurm_version() -> tuple[int, int] | None:
+    match = re.search(r"(\d+)\.(\d+)", _run(["sinfo", "--version"]))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def check_container_launch(mode: str) -> None:
+    """`srun --container` (Slurm's OCI support) exists from Slurm 23.02; `srun apptainer exec` works anywhere."""
+    if mode != "oci":
+        return
+    version = slurm_version()
+    if version is not None and version < (23, 2):
+        raise RkitError(f"slurm.container_launch: oci needs srun --container (Slurm >= 23.02 with an oci.conf); "
+                        f"this cluster runs Slurm {version[0]}.{version[1]:02d}. Use container_launch: apptainer.")
+
+
+def _run(argv: list[str], timeout: float = 30) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def cpus_on_node() -> int | None:
+    """The CPUs this job has on this node (SLURM_CPUS_ON_NODE in the batch step), else this machine's."""
+    value = os.environ.get("SLURM_CPUS_ON_NODE", "")
+    return int(value) if value.isdigit() else os.cpu_count()
+
+
+def hostnames(nodelist: str) -> list[str]:
+    out = _run(["scontrol", "show", "hostnames", nodelist])
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def node_address(node: str) -> str:
+    out = _run(["scontrol", "show", "node", node])
+    match = re.search(r"NodeAddr=(\S+)", out)
+    return match.group(1) if match else node
+
+
+# A Slurm job id: digits, with _N for an array task or +N for a heterogeneous job's component.
+JOB_ID = re.compile(r"^[0-9]{1,12}([_+][0-9]{1,9})?$")
+
+
+def checked_job_id(job_id: object, where: str = "") -> str:
+    """`job_id` if it is a Slurm job id; before any Slurm command sees it (an id read back from a run's files
+    could be anything, `-1` or `--signal=KILL` included)."""
+    if isinstance(job_id, str) and JOB_ID.fullmatch(job_id):
+        return job_id
+    raise RkitError(f"{where or 'Slurm job id'}: {job_id!r} is not a Slurm job id (digits, with _N for an array "
+                    "task); was the file edited? No Slurm command was run.")
+
+
+def submitted_job_id(events: list[dict], where: str) -> str | None:
+    """The job id of the last `job.submitted` event (checked), or None for a run never submitted."""
+    ids = [e.get("job_id") for e in events if e.get("event") == EV.JOB_SUBMITTED]
+    return checked_job_id(ids[-1], f"{where} (job.submitted)") if ids else None
+
+
+def job_state(job_id: str) -> dict[str, str]:
+    """State, reason, nodes and restart count of a job as squeue sees it; {} when it left the queue."""
+    out = _run(["squeue", "-h", "-j", checked_job_id(job_id), "-o", "%T|%r|%N|%D"])
+    if not out.strip():
+        return {}
+    state, reason, nodes, count = (out.strip().splitlines()[0].split("|") + ["", "", "", ""])[:4]
+    return {"state": state, "reason": reason, "nodes": nodes, "node_count": count}
+
+
+def requeue(job_id: str) -> bool:
+    done = subprocess.run(["scontrol", "requeue", checked_job_id(job_id)], capture_output=True, text=True,
+                          check=False)
+    return done.returncode == 0
+
+
+def exclude_nodes(job_id: str, nodes: list[str]) -> bool:
+    """Keep NODES out of a pending job's next allocation (Slurm refuses this for a running job)."""
+    done = subprocess.run(["scontrol", "update", f"jobid={checked_job_id(job_id)}", f"ExcNodeList={','.join(nodes)}"],
+                          capture_output=True, text=True, check=False)
+    return done.returncode == 0
+
+
+def cancel(job_id: str) -> bool:
+    done = subprocess.run(["scancel", checked_job_id(job_id)], capture_output=True, text=True, check=False)
+    return done.returncode == 0
+
+
+
+def step_id(name: str) -> str | None:
+    """The id of this job's step named `name` (squeue), None when there is none."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    for line in _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"]).splitlines():
+        step, _, named = line.partition("|")
+        if named.strip() == name:
+            return step.split(".")[-1]
+    return None

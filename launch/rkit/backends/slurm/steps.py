@@ -1,0 +1,175 @@
+"""The job steps of one Slurm attempt and what their srun logs say: a cold attempt is one step (`srun` of every
+rank); a warm one is the standby steps of its nodes, one per node (slurm_standby.py), watched together. Each
+step ends when its srun ends; its log says which task failed and how (Slurm's view of the step), whether Slurm
+could not start it, and which nodes Slurm reported dead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rkit.backends.base import Handle, RankExit
+from rkit.contract.rundir import EV, RunDir
+
+SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")
+# srun could not start the step's tasks: Slurm refused the step, or a node did not take its tasks.
+SRUN_LAUNCH_FAILED = re.compile(r"srun: error: (?:Unable to create step for job \S+: .+|Task launch for StepId=\S+ "
+                                r"failed on node (\S+?):? .+|.*Requested node configuration is not available.*)")
+# Slurm's cgroup plugin saw the step's memory cap hit: slurmstepd's line, and srun's per task ("Out Of Memory").
+SRUN_OOM = re.compile(r"slurmstepd: error: Detected \d+ oom[_-]kill event.*|srun: error: \S+: tasks? [\d,\-]+: "
+                      r"Out Of Memory.*", re.IGNORECASE)
+# How long srun may take to end after its step was cancelled while a node of the step is dead: srun waits for that
+# node's tasks until Slurm declares the node down (SlurmdTimeout, 300 s by default); its other tasks are gone.
+LOST_NODE_WAIT = 2.0
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    attempt: int
+    argv: list[str]
+    env: dict[str, str]
+    nodes: list[str]
+    log: Path
+    cwd: Path
+    processes: int = 0
+
+    def describe(self) -> str:
+        return shlex.join(self.argv)
+
+    def as_record(self, root: Path) -> dict:
+        return {"argv": self.argv, "nodes": self.nodes, "log": str(self.log.relative_to(root))}
+
+
+@dataclass(frozen=True)
+class StepPart:
+    """One job step of the attempt: its name (scancel finds it by it), its srun, srun's log, and its ranks (its
+    task t is rank first_rank + t)."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    first_rank: int
+    tasks: int
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class StepHandle(Handle):
+    request: StepRequest | None = None
+    parts: list[StepPart] = field(default_factory=list)
+    classified: set[str] = field(default_factory=set)  # the parts whose srun ended and was read
+
+    @classmethod
+    def cold(cls, request: StepRequest, proc: subprocess.Popen) -> StepHandle:
+        return cls(request=request, parts=[StepPart(f"attempt-{request.attempt}", proc, request.log, 0,
+                                                     request.processes)])
+
+    @property
+    def alive(self) -> bool:
+        return any(part.alive for part in self.parts)
+
+    def pids(self) -> dict[str, int]:
+        return {("srun" if i == 0 else f"srun-{i}"): part.proc.pid for i, part in enumerate(self.parts)}
+
+    def poll(self) -> dict[int, RankExit]:
+        """Read each part whose srun ended (once). A cold step ends when any task fails (--kill-on-bad-exit); of a
+        warm attempt only the failed node's step does, and the caller stops the rest."""
+        for part in self.parts:
+            code = part.proc.poll()
+            if code is None or part.name in self.classified:
+                continue
+            self.classified.add(part.name)
+            for rank, rank_exit in self._classify(part, code).items():
+                self.exits.setdefault(rank, rank_exit)
+        return self.exits
+
+    def _classify(self, part: StepPart, code: int) -> dict[int, RankExit]:
+        text = part.log.read_text(encoding="utf-8", errors="replace") if part.log.exists() else ""
+        exits: dict[int, RankExit] = {}
+        for node, tasks, what in SRUN_TASK_EXIT.findall(text):
+            for rank in (part.first_rank + t for t in _ranks(tasks)):
+                m = re.search(r"exit code (\d+)", what)
+                sig = re.search(r"Killed|Terminated|[Ss]egmentation|Aborted|signal (\d+)|Out Of Memory", what)
+                if m:
+                    exits.setdefault(rank, RankExit(rank, int(m.group(1)), node))
+                elif sig:
+                    exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node))
+        if self.out_of_memory is None and (oom := SRUN_OOM.search(text)):
+            self.out_of_memory = f"Slurm said: {oom.group(0).strip()[:300]}"
+        for match in SRUN_NODE_FAIL.finditer(text):
+            node = (match.group(1) or match.group(2) or "").rstrip(":,.")
+            if node and node not in self.failed_nodes:
+                self.failed_nodes.append(node)
+        if code != 0 and self.launch_failed is None:
+            self.launch_failed = self._launch_failure(text, exits)
+        # Ranks srun did not name: 0 when the step succeeded, srun's own code when nothing was named,
+        # else killed because a peer failed (--kill-on-bad-exit).
+        for rank in range(part.first_rank, part.first_rank + part.tasks):
+            exits.setdefault(rank, RankExit(rank, 0 if code == 0 else (code if not exits else -signal.SIGKILL)))
+        return exits
+
+    def _launch_failure(self, text: str, exits: dict[int, RankExit]) -> str | None:
+        """What srun said when it could not start the step (the nodes it named go to `failed_nodes`), or, when no
+        rank's agent started at all, srun's last error line: the step failed before training could."""
+        found = list(SRUN_LAUNCH_FAILED.finditer(text))
+        for match in found:
+            if (node := match.group(1)) and node not in self.failed_nodes:
+                self.failed_nodes.append(node)
+        if found:
+            return found[0].group(0).removeprefix("srun: error: ").strip()
+        run, attempt = RunDir(self.request.env["RKIT_RUN_DIR"]), self.request.attempt
+        if any(e.get("event") == EV.AGENT_STARTED and e.get("attempt") == attempt for e in run.events()):
+            return None
+        for rank_exit in exits.values():  # srun named the nodes whose tasks ended before their agent began
+            if rank_exit.node and rank_exit.returncode != 0 and rank_exit.node not in self.failed_nodes:
+                self.failed_nodes.append(rank_exit.node)
+        errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+        return "no rank started" + (f" ({errors[-1][:300]})" if errors else "")
+
+    def running(self) -> list[int]:
+        return [rank for part in self.parts if part.alive
+                for rank in range(part.first_rank, part.first_rank + part.tasks)]
+
+    def wait_gone(self, timeout: float) -> None:
+        """Each part's srun, at most `timeout` seconds in all; one that is still there is killed (its process
+        group: srun and what it started here)."""
+        deadline = time.monotonic() + timeout
+        for part in self.parts:
+            try:
+                part.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(part.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                part.proc.wait()
+
+
+def _ranks(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+    return out
+
+
+def _signal_of(text: str) -> int:
+    if text.startswith("signal"):
+        return int(text.split()[-1])
+    return {"Killed": signal.SIGKILL, "Out Of Memory": signal.SIGKILL, "Terminated": signal.SIGTERM,
+            "Aborted": signal.SIGABRT}.get(
+        text, signal.SIGSEGV)

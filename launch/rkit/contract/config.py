@@ -1,0 +1,199 @@
+"""The typed view of a resolved recipe: built once after validation (or from a run's resolved.json), read by
+attribute everywhere else. The dict stays the stamp (resolved.json, the config hash); this is how code reads it.
+
+Imports nothing of rkit but the schema's defaults and errors: the agent side (inside an image) reads it too.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rkit.contract.defaults import apply_defaults, schema
+from rkit.contract.errors import RkitError
+
+
+@dataclass(frozen=True)
+class Trainer:
+    kind: str
+    base_config: str
+    steps: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_step(self) -> int:
+        """MaxText trains steps 0..steps-1 and saves the last one: the run is done when it is committed."""
+        if self.steps is None:  # a damaged or hand-made resolved.json
+            raise RkitError("resolved.json: trainer.steps is missing; a run's resolved.json always has it. Restore "
+                            "it from a copy of the run directory.")
+        return int(self.steps) - 1
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: int
+    processes_per_node: int
+    gpus_per_node: int | None = None  # no schema default: a recipe without it keeps its config hash
+
+    @property
+    def processes(self) -> int:
+        return int(self.nodes) * int(self.processes_per_node)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    period: int
+    keep: int | None
+    asynchronous: bool  # the recipe's `async`
+
+
+@dataclass(frozen=True)
+class Resilience:
+    max_restarts: int
+    max_infra_restarts: int
+    crash_loop_limit: int
+    signal_grace_seconds: float
+    hang_timeout: float | str | None  # seconds, "auto", or None (off)
+    hang_floor_seconds: float
+    hang_factor: float
+    hang_startup_seconds: float
+    warm_standby: bool | str = "auto"  # standby ranks for the next attempt (backends/standby.py)
+    node_silence_seconds: float = 3.0  # Slurm: heartbeat silence (with no step progress) before a node is probed
+    node_probe_seconds: float = 5.0  # Slurm: the probe step's hard timeout (liveness.py)
+
+    @property
+    def jax_heartbeat_seconds(self) -> int:
+        """JAX's coordination-service heartbeat timeout for Slurm attempts: just after rkit's own detection (a
+        node's silence plus its probe), so that rkit names the node first and JAX ends the survivors soon after
+        if rkit could not act. At least 10 s: JAX sends a heartbeat every few seconds."""
+        return max(10, int(2 * (float(self.node_silence_seconds) + float(self.node_probe_seconds))))
+
+    def standby_on(self, processes_per_node: int, cpus: int | None) -> bool:
+        """auto: on when a node (this machine, or the Slurm batch host's allocation) has 4 cores per rank or
+        more: a standby imports beside the live attempt, and on fewer cores that slows the attempt more than a
+        warm restart saves."""
+        if self.warm_standby is False:
+            return False
+        return self.warm_standby is True or (cpus or 1) >= 4 * processes_per_node
+
+
+@dataclass(frozen=True)
+class Prometheus:
+    enabled: bool
+    interface: str
+    port: int
+    tls_cert: str | None = None  # PEM: HTTPS (no default in the schema, so older config hashes are unchanged)
+    tls_key: str | None = None
+    insecure: bool | None = None  # plain HTTP beyond loopback, warned about on every start
+
+
+@dataclass(frozen=True)
+class Observability:
+    telemetry_interval_seconds: float
+    disk_low_fraction: float
+    prometheus: Prometheus
+    straggler_factor: float
+
+
+@dataclass(frozen=True)
+class Slurm:
+    partition: str | None
+    account: str | None
+    qos: str | None
+    time: str | None
+    gpus_per_node: int
+    spare_nodes: int
+    exclusive: bool
+    extra_sbatch: tuple[str, ...]
+    signal_lead_seconds: int
+    container_launch: str
+    python: str | None
+
+
+@dataclass(frozen=True)
+class Reproducibility:
+    deterministic: bool = False  # no schema default: a recipe without the section keeps its config hash
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    runs_dir: str
+    access: str
+    image: str
+    launcher: str
+    trainer: Trainer
+    resources: Resources
+    checkpoint: Checkpoint
+    resilience: Resilience
+    observability: Observability
+    slurm: Slurm
+    env: dict[str, Any]
+    reproducibility: Reproducibility = Reproducibility()
+
+    @property
+    def processes(self) -> int:
+        return self.resources.processes
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The GPUs a node's processes share (devices.py): resources.gpus_per_node, else slurm.gpus_per_node."""
+        given = self.resources.gpus_per_node
+        return int(given if given is not None else self.slurm.gpus_per_node if self.launcher == "slurm" else 0)
+
+    @classmethod
+    def from_resolved(cls, resolved: dict) -> Config:
+        """From a validated recipe's resolved dict; a run stamped before a section existed gets its defaults (a key
+        without a default, absent from a hand-made file, reads None)."""
+        data = copy.deepcopy(resolved)
+        for key in ("trainer", "resources", "checkpoint", "resilience", "observability", "slurm", "env"):
+            data[key] = data.get(key) if isinstance(data.get(key), dict) else {}
+        apply_defaults(data, schema())
+        data["checkpoint"]["asynchronous"] = data["checkpoint"].pop("async", None)
+        data["slurm"]["extra_sbatch"] = tuple(data["slurm"].get("extra_sbatch") or ())
+        prometheus = data["observability"].get("prometheus")
+        data["observability"]["prometheus"] = _build(Prometheus, prometheus if isinstance(prometheus, dict) else {},
+                                                     "observability.prometheus.")
+        sections = {"trainer": Trainer, "resources": Resources, "checkpoint": Checkpoint, "resilience": Resilience,
+                    "observability": Observability, "slurm": Slurm}
+        for key, section in sections.items():
+            data[key] = _build(section, data[key], f"{key}.")
+        data["reproducibility"] = Reproducibility(
+            deterministic=bool((data.get("reproducibility") or {}).get("deterministic")))
+        return _build(cls, data)
+
+
+class ConfigTypeError(RkitError):
+    """A resolved config (a run's resolved.json) whose value has another type than the typed view declares."""
+
+
+# The annotations of the typed view, as written (from __future__ annotations), and the values each part admits.
+_ADMITS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 62,
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 1e15,
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "None": lambda v: v is None,
+    "dict[str, Any]": lambda v: isinstance(v, dict),
+    "tuple[str, ...]": lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+}
+
+
+def _check(cls: type, path: str, name: str, annotation: Any, value: Any) -> None:
+    parts = [p.strip() for p in str(annotation).split("|")]
+    if value is None:  # absent (a hand-made or older file): read as None, as before
+        return
+    if all(p in _ADMITS for p in parts) and not any(_ADMITS[p](value) for p in parts):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ConfigTypeError(f"{path}{name} is {shown}, expected {' or '.join(parts)}")
+
+
+def _build(cls: type, data: dict, path: str = "") -> Any:
+    values = {f.name: data.get(f.name) for f in fields(cls)}
+    for f in fields(cls):
+        if not isinstance(values[f.name], (Trainer, Resources, Checkpoint, Resilience, Prometheus, Observability,
+                                           Slurm, Reproducibility)):
+            _check(cls, path, f.name, f.type, values[f.name])
+    return cls(**values)

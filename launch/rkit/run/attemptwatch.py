@@ -1,0 +1,196 @@
+"""What one attempt's files say while it runs, for the supervisor's loop (supervisor.py): each rank's progress from
+its metrics file, the hang watch, stragglers, the first step, and the diagnoses read from the ranks' logs (disk
+full, a checkpoint that could not be restored, a coordinator port in use)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from rkit.contract.config import Config
+from rkit.contract.rundir import EV, RunDir, filesystem
+from rkit.run import preflight
+from rkit.run.oomkills import OomWatch
+from rkit.run.policy import Progress
+from rkit.run.ranklogs import OUT_OF_MEMORY, LogScan, last_error_lines, rank_error
+from rkit.run.stragglers import StragglerWatch
+from rkit.run.watchdog import HangPolicy, HangWatch
+from rkit.runtime.telemetry.metrics import MetricsTail
+from rkit.runtime.trainers import maxtext
+
+
+class Watcher(Protocol):
+    """What an AttemptWatch reads of the supervisor that owns it (run/supervisor.py's Supervisor)."""
+
+    run: RunDir
+    config: Config
+    poll_seconds: float
+    _step_times: list[float]
+    clock: Callable[[], float]
+    on_progress: Callable[[Progress], None]
+
+    @property
+    def processes(self) -> int: ...
+
+# Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
+FULL_BYTES = 1 << 20
+
+
+class StartupPhase:
+    """Which part of its start-up an attempt is in, from its agents' events (agent.started: the process runs;
+    agent.ready: jax.distributed set up and MaxText imported), read from where events.jsonl ended when the attempt
+    began, at most once a second, until the first step: what the live display names while the step count is 0."""
+
+    def __init__(self, events_file: Path, attempt: int, ranks: int, resumed_from: int | None):
+        self.file, self.attempt, self.ranks, self.resumed_from = events_file, attempt, ranks, resumed_from
+        try:
+            self.offset = events_file.stat().st_size
+        except OSError:
+            self.offset = 0
+        self.partial = b""
+        self.started: set[int] = set()
+        self.ready: set[int] = set()
+        self.next = 0.0
+
+    def read(self) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + 1.0
+        try:
+            with open(self.file, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read(1 << 20)
+        except OSError:
+            return
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()[-(1 << 16):]
+        for line in lines:
+            if b'"agent.' not in line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("attempt") == self.attempt and isinstance(event.get("rank"), int):
+                {EV.AGENT_STARTED: self.started, EV.AGENT_READY: self.ready}.get(event.get("event"), set()).add(
+                    event["rank"])
+
+    def describe(self) -> str:
+        if len(self.ready) >= self.ranks:
+            return ("compiling" if self.resumed_from is None else f"restoring step {self.resumed_from}, compiling")
+        if len(self.started) >= self.ranks:
+            return f"jax.distributed set-up, importing MaxText ({len(self.ready)}/{self.ranks} ready)"
+        return f"starting processes ({len(self.started)}/{self.ranks})"
+
+
+@dataclass
+class AttemptWatch:
+    """What one attempt's metrics files say: each rank's progress, the hang watch, stragglers, the first step."""
+
+    sup: Watcher
+    attempt: int
+    started: float  # wall clock, for attempt.first_step
+    tails: dict[int, MetricsTail]
+    progress: Progress
+    resumed_from: int | None = None
+    first_step_seen: bool = False
+    oom: OomWatch = field(default_factory=OomWatch)  # the OOM-kill counters at the attempt's start
+
+    def __post_init__(self) -> None:
+        sup = self.sup
+        self.hang = HangWatch(HangPolicy.from_config(sup.config), ranks=list(self.tails), started=sup.clock(),
+                              step_times=sup._step_times)
+        factor = float(sup.config.observability.straggler_factor)
+        self.stragglers = StragglerWatch(sup.run, self.attempt, factor, sup.clock)
+        # Its own clock: how often the logs are read is about I/O, not policy (a hang forces a read anyway).
+        self.logs = LogScan([sup.run.rank_log(self.attempt, r) for r in self.tails], time.monotonic)
+        # Each poll stats every rank's metrics file; past 64 ranks the files are looked at every few polls (512
+        # ranks: every 0.8 s), exits still every poll. Metrics only feed the hang watch (timeouts of minutes),
+        # stragglers and progress.
+        self.scan_every, self.next_scan = sup.poll_seconds * max(1, len(self.tails) // 64), 0.0
+        self.phase = StartupPhase(sup.run.events_file, self.attempt, len(self.tails), self.resumed_from)
+
+    def disk_full(self, force: bool) -> str | None:
+        """A rank's log line saying a write failed for space, with the checkpoints' file system; or, when a rank
+        failed or hung, that file system being full (its log may live there too and then says nothing)."""
+        line = self.logs.disk_full(force)
+        if line is None and not force:
+            return None
+        mount, free = filesystem(self.sup.run.orbax_dir)
+        if line is None:
+            if free is None or free > FULL_BYTES:
+                return None
+            line = "a rank failed or stopped with no room left on the run directory's file system"
+        return f"{line} (file system {mount}: {'?' if free is None else free} bytes free)"
+
+    def restore_failed(self, force: bool) -> str | None:
+        """Before a resumed attempt's first step: the failing rank's last error lines."""
+        if self.first_step_seen or self.resumed_from is None:
+            return None
+        hit = self.logs.restore_failed(force)
+        if hit is None:
+            return None
+        line, log = hit
+        lines = last_error_lines(log) or [line]
+        return f"{log.name}: " + " | ".join(lines)
+
+    def failure(self, rank: int, returncode: int) -> tuple[str | None, str | None]:
+        """A failed rank's own last error line, and whether (and how it was seen that) it ran out of memory: the
+        OOM killer in its cgroup since the attempt began (a SIGKILL), or its own words (MemoryError, XLA's)."""
+        said = rank_error(self.sup.run.rank_log(self.attempt, rank))
+        oom = self.oom.killed() if returncode == -9 else None
+        if oom is None and said is not None and OUT_OF_MEMORY.search(said):
+            oom = "its log says so"
+        return said, oom
+
+    def jax_peer_lost(self, force: bool) -> str | None:
+        """A rank's log line saying JAX's coordination service declared a process dead."""
+        hit = self.logs.scan(force).get("jax_peer_lost")
+        return None if hit is None else f"{hit[1].name}: {hit[0]}"
+
+    def port_in_use(self, force: bool) -> str | None:
+        """Before the first step: a rank's log saying jax.distributed's coordinator could not listen."""
+        hit = None if self.first_step_seen else self.logs.port_in_use(force)
+        return None if hit is None else f"{hit[1].name}: {hit[0]}"
+
+    def read(self) -> None:
+        sup, progress = self.sup, self.progress
+        now = time.monotonic()
+        scan = now >= self.next_scan
+        if scan:
+            self.next_scan = now + self.scan_every
+        for rank, tail in self.tails.items() if scan else ():
+            if not preflight.grew(tail):  # one stat, not open, read and close
+                continue
+            for m in tail.poll():
+                self.hang.progress(rank, m.step, m.step_time, sup.clock())
+                self.stragglers.add(m)
+                progress.step = m.step if rank == 0 or progress.step is None else max(progress.step, m.step)
+                if rank == 0 and m.tokens_per_sec_per_device:
+                    progress.tokens_per_sec = m.tokens_per_sec_per_device * sup.processes
+                if not self.first_step_seen:
+                    self.first_step_seen = True
+                    restored = self.logs.restore_span(force=True)  # goodput's restore, apart from compilation
+                    sup.run.emit(EV.ATTEMPT_FIRST_STEP, attempt=self.attempt, step=m.step, rank=rank,
+                                 seconds_since_start=round(time.time() - self.started, 3),
+                                 **({"restore_started": round(restored[0], 3),
+                                     "restore_seconds": round(restored[1] - restored[0], 3)} if restored else {}))
+        self.stragglers.check()
+        progress.committed = maxtext.latest_committed_step(sup.run)
+        progress.message = f"attempt {self.attempt}"
+        final = sup.config.trainer.final_step
+        if not self.first_step_seen:
+            self.phase.read()
+            progress.message += f": {self.phase.describe()}"
+        elif progress.step is not None and progress.step >= final and progress.committed != final:
+            progress.message += ": saving the final checkpoint"
+        sup.on_progress(progress)
+
+    def last_steps(self) -> dict[int, int | None]:
+        return {rank: tail.last.step if tail.last else None for rank, tail in self.tails.items()}

@@ -1,0 +1,215 @@
+"""Node liveness on Slurm: rkit sees a dead node in seconds, without waiting for Slurm.
+
+Slurm's controller marks a node DOWN only after SlurmdTimeout (300 s by default) without an answer, and srun learns
+of it only from the controller; JAX's coordination service waits heartbeat_timeout_seconds (100 s by default); a
+collective with a dead peer hangs. So every node of an attempt sends the supervisor a heartbeat every second
+(heartbeat.py, from its telemetry process), and a node is
+
+  suspected  when its heartbeat has been silent for `silence` seconds while its ranks made no step progress for as
+             long (before its first heartbeat: STARTUP_SILENCE, the container's and the agent's start);
+  probed     by a second, bounded channel: a one-task step on that node (the backend's `start_probe`, `srun
+             --overlap --nodelist=NODE true`) that must succeed within `probe_timeout` seconds;
+  alive      when the probe succeeds or its heartbeat comes back (a slow node, a long save or compilation: the
+             attempt goes on; a node that stays silent is probed again after twice as long each time, 2 x silence
+             first, at most MAX_BACKOFF);
+  dead       when the probe fails or times out: the supervisor ends the attempt as a node failure, cancels the step
+             and excludes the node, so the next attempt runs on the healthy nodes and the spares.
+
+`suspects` is the pure policy (tested without sleeping); `HeartbeatListener` the socket; `NodeLiveness` one
+attempt's watch, driven by the supervisor's loop and its clock.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rkit.contract import heartbeat
+
+STARTUP_SILENCE = 30.0  # before a node's first heartbeat: its container, Python and the agent start
+MAX_BACKOFF = 60.0  # a node found alive while still silent is probed again after 2x, 4x ... the silence, at most this
+MAX_DATAGRAMS = 4096  # read per pass at most: a flood cannot hold the supervisor's loop
+
+
+@dataclass(frozen=True)
+class Suspect:
+    node: str
+    silent: float  # seconds since its last heartbeat (or since the attempt started)
+    stalled: float  # seconds since any of its ranks made step progress
+
+
+def suspects(nodes: Mapping[str, float], ranks_of: Mapping[str, list[int]], progress: Mapping[int, float],
+             now: float, silence: float) -> list[Suspect]:
+    """Nodes silent for more than `silence` seconds since `nodes[node]` (their last heartbeat, or when watching
+    began) whose ranks all made no step progress for as long: the nodes to probe."""
+    out = []
+    for node, since in nodes.items():
+        silent = now - since
+        last = max((progress[r] for r in ranks_of.get(node, []) if r in progress), default=since)
+        if silent > silence and now - last > silence:
+            out.append(Suspect(node, round(silent, 3), round(now - last, 3)))
+    return out
+
+
+class HeartbeatListener:
+    """The supervisor's heartbeat socket (UDP on the address the nodes reach this host at), for the whole job:
+    non-blocking, so that reading it never waits on a peer."""
+
+    def __init__(self, address: str, token: str | None = None):
+        self.token = token or secrets.token_hex(16)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind((address, 0))
+        except OSError:  # a NodeAddr that is a name this host does not resolve to itself: every interface
+            self.sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        self.sock.setblocking(False)
+        self.address = address
+
+    def environment(self) -> dict[str, str]:
+        return {heartbeat.ADDRESS_ENV: f"{self.address}:{self.sock.getsockname()[1]}",
+                heartbeat.TOKEN_ENV: self.token}
+
+    def drain(self) -> list[heartbeat.Beat]:
+        beats = []
+        for _ in range(MAX_DATAGRAMS):
+            try:
+                data = self.sock.recv(heartbeat.MAX_DATAGRAM)
+            except OSError:  # BlockingIOError: nothing more has arrived
+                break
+            beat = heartbeat.decode(self.token, data)
+            if beat is not None:
+                beats.append(beat)
+        return beats
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@dataclass
+class Probe:
+    node: str
+    proc: subprocess.Popen
+    started: float
+    deadline: float
+
+    def result(self, now: float) -> tuple[bool, str] | None:
+        """(alive, what it said) once it ended or timed out; None while it runs."""
+        code = self.proc.poll()
+        if code is None and now < self.deadline:
+            return None
+        if code is None:
+            self.proc.kill()
+            self.proc.wait()
+            return False, f"the probe step did not answer within {self.deadline - self.started:.0f} s"
+        said = (self.proc.stdout.read() if self.proc.stdout else "").strip().splitlines()
+        if code == 0:
+            return True, ""
+        return False, f"the probe step failed (exit {code}){': ' + said[-1][:300] if said else ''}"
+
+
+@dataclass
+class NodeLiveness:
+    """One job's liveness: the listener lives as long as the supervisor; `watch` starts each attempt's."""
+
+    listener: HeartbeatListener
+    start_probe: Callable[[str], subprocess.Popen]  # the backend's probe step on one node
+    silence: float
+    probe_timeout: float
+    jax_heartbeat_seconds: int
+    clock: Callable[[], float]
+    attempt: int = 0
+    since: dict[str, float] = field(default_factory=dict)  # node -> last heartbeat (or when watching began)
+    heard: set[str] = field(default_factory=set)  # nodes heard from in this attempt
+    ranks_of: dict[str, list[int]] = field(default_factory=dict)
+    probes: dict[str, Probe] = field(default_factory=dict)
+    cleared: dict[str, float] = field(default_factory=dict)  # node -> when it was last found alive (+ its backoff)
+    backoff: dict[str, float] = field(default_factory=dict)  # node -> the wait before its next probe while silent
+    dead: set[str] = field(default_factory=set)  # confirmed in this attempt: never probed again
+
+    def environment(self) -> dict[str, str]:
+        """What the ranks need: where to send heartbeats, and JAX's own heartbeat timeout."""
+        return {**self.listener.environment(), heartbeat.JAX_HEARTBEAT_ENV: str(self.jax_heartbeat_seconds)}
+
+    def watch(self, attempt: int, nodes: list[str], tasks_per_node: int) -> None:
+        """A new attempt on `nodes` (srun's block distribution: node i runs ranks i*T .. i*T+T-1)."""
+        self.end()
+        now = self.clock()
+        self.listener.drain()  # the previous attempt's last beats
+        self.attempt, self.heard, self.cleared, self.dead, self.backoff = attempt, set(), {}, set(), {}
+        # Before a node's first heartbeat its start-up is allowed STARTUP_SILENCE (less `silence`, which the
+        # policy adds).
+        self.since = {n: now + max(0.0, STARTUP_SILENCE - self.silence) for n in nodes}
+        self.ranks_of = {n: list(range(i * tasks_per_node, (i + 1) * tasks_per_node)) for i, n in enumerate(nodes)}
+
+    def check(self, progress: Mapping[int, float]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """One pass: read heartbeats, settle probes, start new ones. Returns the notes to record as events
+        ({"event": name, ...}) and the nodes confirmed dead with why."""
+        now = self.clock()
+        notes: list[dict[str, Any]] = []
+        dead: dict[str, str] = {}
+        for beat in self.listener.drain():
+            if beat.attempt == self.attempt and beat.node in self.since:
+                self.since[beat.node] = now
+                self.heard.add(beat.node)
+                self.backoff.pop(beat.node, None)
+                if (probe := self.probes.pop(beat.node, None)) is not None:
+                    _discard(probe)
+                    self.cleared[beat.node] = now
+                    notes.append({"event": "node.alive", "node": beat.node, "how": "its heartbeat came back",
+                                  "after_seconds": round(now - probe.started, 3)})
+        for node, probe in list(self.probes.items()):
+            result = probe.result(now)
+            if result is None:
+                continue
+            del self.probes[node]
+            alive, said = result
+            if alive:
+                wait = self.backoff[node] = min(MAX_BACKOFF, 2 * self.backoff.get(node, self.silence))
+                self.cleared[node] = now + max(0.0, wait - self.silence)
+                notes.append({"event": "node.alive", "node": node, "how": "it answered the probe step",
+                              "after_seconds": round(now - probe.started, 3)})
+            else:
+                self.dead.add(node)
+                silent = round(now - self.since[node], 3)
+                dead[node] = (f"no heartbeat for {silent:.1f} s and {said}" if node in self.heard else
+                              f"no heartbeat since the attempt started and {said}")
+                notes.append({"event": "node.dead", "node": node, "silent_seconds": silent, "probe": said,
+                              "probe_seconds": round(now - probe.started, 3), "detected_by": "rkit",
+                              "heard_from": node in self.heard})
+        watched = {n: max(t, self.cleared.get(n, t)) for n, t in self.since.items()
+                   if n not in self.probes and n not in self.dead}
+        for suspect in suspects(watched, self.ranks_of, progress, now, self.silence):
+            try:
+                proc = self.start_probe(suspect.node)
+            except OSError as exc:
+                notes.append({"event": "node.suspected", "node": suspect.node, "silent_seconds": suspect.silent,
+                              "stalled_seconds": suspect.stalled, "probe": f"could not start: {exc}"})
+                self.cleared[suspect.node] = now  # not probed again before another silence
+                continue
+            self.probes[suspect.node] = Probe(suspect.node, proc, now, now + self.probe_timeout)
+            notes.append({"event": "node.suspected", "node": suspect.node, "silent_seconds": suspect.silent,
+                          "stalled_seconds": suspect.stalled, "heard_from": suspect.node in self.heard})
+        return notes, dead
+
+    def last_heard(self, node: str) -> float | None:
+        return self.since.get(node) if node in self.heard else None
+
+    def end(self) -> None:
+        for probe in self.probes.values():
+            _discard(probe)
+        self.probes.clear()
+
+    def close(self) -> None:
+        self.end()
+        self.listener.close()
+
+
+def _discard(probe: Probe) -> None:
+    if probe.proc.poll() is None:
+        probe.proc.kill()
+    probe.proc.wait()

@@ -1,0 +1,371 @@
+"""Pure policy: run states, attempt causes, budgets, how an attempt ended (`classify`) and what to do next
+(`decide`). No I/O, no clock: every rule here is tested exhaustively without processes or sleeping.
+
+The supervisor (supervisor.py) applies it; `rkit status` reads its states.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from rkit.contract.rundir import EV
+
+if TYPE_CHECKING:
+    from rkit.backends.base import RankExit
+    from rkit.run.watchdog import Hang
+
+
+class RunState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHED = "finished"
+    GAVE_UP = "gave up"
+    INTERRUPTED = "interrupted"
+    REQUEUED = "requeued"  # the batch job goes back to the queue and the run continues when it restarts
+    STOPPED = "stopped"  # the supervisor went away without saying why (killed, machine lost)
+
+    def is_terminal(self) -> bool:
+        """Nothing more will happen to the run without a new `rkit run --resume`."""
+        return self in (RunState.FINISHED, RunState.GAVE_UP)
+
+    def is_final(self) -> bool:
+        """No supervisor is working on the run (it may still be resumed)."""
+        return self in (RunState.FINISHED, RunState.GAVE_UP, RunState.INTERRUPTED, RunState.STOPPED)
+
+    def exit_code(self) -> int:
+        """`rkit run`'s exit status when it leaves the run in this state: 0 finished, 1 gave up (or any other
+        ending), 130 interrupted (as a shell reports SIGINT)."""
+        return {RunState.FINISHED: 0, RunState.GAVE_UP: 1, RunState.INTERRUPTED: 130}.get(self, 1)
+
+
+# The event that ends a run, and the state it leaves the run in.
+FINAL_EVENTS = {EV.RUN_FINISHED: RunState.FINISHED, EV.RUN_GAVE_UP: RunState.GAVE_UP,
+                EV.RUN_INTERRUPTED: RunState.INTERRUPTED}
+
+
+class Cause(enum.Enum):
+    """How an attempt ended."""
+
+    COMPLETED = "completed"          # every rank exited 0 and the final step is committed
+    TASK_EXIT = "task_exit"          # a rank exited non-zero
+    TASK_SIGNAL = "task_signal"      # a rank was killed by a signal
+    PREEMPTED = "preempted"          # we asked for a save (SIGTERM) on a preemption / time-limit signal
+    NODE_FAIL = "node_fail"          # a node of the step died (Slurm's view of the step)
+    HANG = "hang"                    # a rank made no step progress within the hang timeout
+    INCOMPLETE = "incomplete"        # every rank exited 0 but the final step is not committed
+    INTERRUPTED = "interrupted"      # the user stopped the run (Ctrl-C)
+    LAUNCH_ERROR = "launch_error"    # the processes could not be started
+    LOST = "lost"                    # the attempt's supervisor died with it (batch host lost, machine lost)
+    DISK_FULL = "disk_full"          # a write failed for space (a checkpoint save): no restart into a full disk
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the step resumed from could not be restored: quarantined
+    PORT_IN_USE = "port_in_use"      # jax.distributed's coordinator could not listen: the next attempt gets another
+    OUT_OF_MEMORY = "out_of_memory"  # a rank ran out of memory (the OOM killer in its cgroup, or its own words):
+                                     # the same config would again; not retried
+    STEP_FAILED = "step_failed"      # the launcher could not start the ranks (Slurm refused the step, a node did
+                                     # not take its tasks, the step ended before any rank's agent began)
+
+    @property
+    def infrastructure(self) -> bool:
+        return self in (Cause.PREEMPTED, Cause.NODE_FAIL, Cause.HANG, Cause.LOST, Cause.CORRUPT_CHECKPOINT,
+                        Cause.PORT_IN_USE, Cause.STEP_FAILED)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    max_restarts: int
+    max_infra_restarts: int
+    crash_loop_limit: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    cause: Cause
+    committed_before: int | None
+    committed_after: int | None
+    detail: str = ""
+    requeue: bool = False  # the allocation cannot go on: a time-limit/preemption signal, or too few healthy nodes
+    # What identifies the failure, for the crash-loop rule: the failing rank, its exit code (negative: the
+    # signal), the step it last completed, the nodes lost.
+    rank: int | None = None
+    code: int | None = None
+    step: int | None = None
+    nodes: tuple[str, ...] = ()
+
+    @property
+    def progressed(self) -> bool:
+        return self.committed_after is not None and (self.committed_before is None
+                                                     or self.committed_after > self.committed_before)
+
+    @property
+    def signature(self) -> str | None:
+        """Two attempts with the same signature failed the same way. Preemptions, lost supervisors and steps the
+        launcher could not start are events of the cluster, not of the job: they have none and never make a crash
+        loop."""
+        step = "?" if self.step is None else str(self.step)
+        if self.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL):
+            return f"{self.cause.value} rank={self.rank} code={self.code} step={step}"
+        if self.cause is Cause.HANG:
+            return f"hang rank={self.rank} step={step}"
+        if self.cause is Cause.NODE_FAIL and self.nodes:
+            return f"node_fail nodes={','.join(sorted(self.nodes))}"
+        if self.cause is Cause.INCOMPLETE:
+            return f"incomplete committed={self.committed_after}"
+        return None
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What earlier attempts used of the budgets."""
+
+    training_failures: int = 0
+    infra_failures: int = 0  # node failures, preemptions, requeues
+    stalled: int = 0  # consecutive failed attempts without a new committed checkpoint
+    stalled_details: tuple[str, ...] = ()
+    signature: str | None = None  # the last failure's signature
+    repeats: int = 0  # consecutive failures with that signature
+
+    def as_dict(self) -> dict:
+        return {"training_failures": self.training_failures, "infra_failures": self.infra_failures,
+                "stalled": self.stalled, "stalled_details": list(self.stalled_details),
+                "signature": self.signature, "repeats": self.repeats}
+
+    @classmethod
+    def from_dict(cls, t: dict) -> Tally:
+        return cls(t["training_failures"], t["infra_failures"], t["stalled"], tuple(t["stalled_details"]),
+                   t.get("signature"), t.get("repeats", 0))
+
+
+class Action(enum.Enum):
+    RESTART = "restart"
+    REQUEUE = "requeue"
+    FINISH = "finish"
+    GIVE_UP = "give_up"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def _repeat(tally: Tally, outcome: Outcome) -> Tally:
+    sig = outcome.signature
+    repeats = tally.repeats + 1 if sig is not None and sig == tally.signature else (0 if sig is None else 1)
+    return replace(tally, signature=sig, repeats=repeats)
+
+
+def _crash_loop(tally: Tally, outcome: Outcome, budgets: Budgets) -> Decision | None:
+    """The same failure (same cause, rank, exit code or signal, step) `crash_loop_limit` times in a row is a crash
+    loop, whether or not a checkpoint was committed in between (an async save may land during any attempt)."""
+    if tally.repeats < budgets.crash_loop_limit:
+        return None
+    last = "none" if outcome.committed_after is None else str(outcome.committed_after)
+    return Decision(Action.GIVE_UP, f"crash loop: {tally.repeats} consecutive attempts failed the same way "
+                                    f"(resilience.crash_loop_limit={budgets.crash_loop_limit}): {outcome.detail}; "
+                                    f"last committed step {last}. This looks deterministic: fix the cause and run "
+                                    "again with --resume")
+
+
+def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bool) -> tuple[Decision, Tally]:
+    """Pure policy: classify first, then spend the matching budget."""
+    if final_committed:
+        return Decision(Action.FINISH, "the final step is committed"), tally
+    if outcome.cause is Cause.INTERRUPTED:
+        return Decision(Action.STOP, "stopped by the user; resume with `rkit run RECIPE --resume`"), tally
+    if outcome.cause is Cause.LAUNCH_ERROR:
+        return Decision(Action.GIVE_UP, f"the processes could not be started: {outcome.detail}"), tally
+    if outcome.cause is Cause.OUT_OF_MEMORY:
+        return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt with the same config would run out the "
+                                        "same way: give the job more memory (a larger cap, slurm --mem) and continue "
+                                        "with `rkit run RECIPE --resume`, or start a new run (-o name=NEW) with a "
+                                        "smaller trainer.overrides.per_device_batch_size"), tally
+    if outcome.cause is Cause.DISK_FULL:
+        return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt would fail the same way: free space "
+                                        "(or raise the quota), then continue with `rkit run RECIPE --resume`"), tally
+    tally = _repeat(tally, outcome)
+    if outcome.cause.infrastructure:
+        tally = replace(tally, infra_failures=tally.infra_failures + 1, stalled=0, stalled_details=())
+        if (loop := _crash_loop(tally, outcome, budgets)) is not None:
+            return loop, tally
+        if tally.infra_failures > budgets.max_infra_restarts:
+            return Decision(Action.GIVE_UP, f"infrastructure budget exhausted ({budgets.max_infra_restarts} "
+                                            f"allowed: resilience.max_infra_restarts); last: {outcome.detail}"), tally
+        if outcome.requeue:
+            return Decision(Action.REQUEUE, f"{outcome.detail}; requeueing the job, it resumes from the last "
+                                            "checkpoint"), tally
+        return Decision(Action.RESTART, f"{outcome.detail}; resuming from the last checkpoint"), tally
+    stalled = 0 if outcome.progressed else tally.stalled + 1
+    details = () if outcome.progressed else tally.stalled_details + (outcome.detail,)
+    tally = replace(tally, training_failures=tally.training_failures + 1, stalled=stalled, stalled_details=details)
+    if (loop := _crash_loop(tally, outcome, budgets)) is not None:
+        return loop, tally
+    if stalled >= budgets.crash_loop_limit:
+        last = "none" if outcome.committed_after is None else str(outcome.committed_after)
+        same = len(set(details)) == 1
+        how = (f"each failed the same way: {details[0]}. This looks deterministic: fix the cause and "
+               "run again with --resume" if same else "failures: " + "; ".join(details))
+        return Decision(Action.GIVE_UP, f"crash loop: {stalled} consecutive attempts failed without a new "
+                                        f"committed checkpoint (last committed step {last}); {how}"), tally
+    if tally.training_failures > budgets.max_restarts:
+        return Decision(Action.GIVE_UP, f"restart budget exhausted: {tally.training_failures} training failures, "
+                                        f"{budgets.max_restarts} restarts allowed (resilience.max_restarts); "
+                                        f"last: {outcome.detail}"), tally
+    return Decision(Action.RESTART, f"{outcome.detail}; restarting from the last committed checkpoint"), tally
+
+
+def tally_from_events(events: list[dict]) -> Tally:
+    """Budgets carry over when a run is resumed: replay the recorded decisions."""
+    tally = Tally()
+    for e in events:
+        if e.get("event") == EV.ATTEMPT_ENDED and "tally" in e:
+            tally = Tally.from_dict(e["tally"])
+    return tally
+
+
+@dataclass
+class Progress:
+    """What the display needs; updated by the supervisor as the run moves."""
+
+    total_steps: int
+    attempt: int = 0
+    step: int | None = None
+    committed: int | None = None
+    tokens_per_sec: float | None = None
+    message: str = ""
+
+
+# ---------------------------------------------------------------- how an attempt ended
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One poll of a running attempt, as the supervisor saw it: the whole input of `classify`."""
+
+    processes: int
+    exits: tuple[RankExit, ...] = ()  # the ranks that exited so far, in the order noticed
+    last_steps: Mapping[int, int | None] = field(default_factory=dict)  # each rank's newest step
+    step: int | None = None  # the attempt's furthest step
+    failed_nodes: tuple[str, ...] = ()  # nodes the launcher reported dead with the attempt
+    dead_nodes: Mapping[str, str] = field(default_factory=dict)  # nodes rkit's liveness confirmed dead: why
+    launch_failed: str | None = None  # the launcher could not start the ranks: what it said
+    jax_peer_lost: str | None = None  # a rank's log: JAX's coordination service declared a process dead
+    down_nodes: tuple[str, ...] = ()  # the attempt's nodes the scheduler reports dead (asked on a stop signal)
+    interrupted: bool = False  # Ctrl-C, or SIGTERM to the supervisor
+    preempt: str | None = None  # the scheduler's time-limit or preemption signal, by name
+    inject_sigterm: str | None = None  # an injected preemption whose step was reached (its spec)
+    hang: Hang | None = None
+    disk_full: str | None = None  # a rank's log line saying a write failed for space, with the file system
+    restore_failed: str | None = None  # before the first step of a resumed attempt: the rank's restore errors
+    rank_error: str | None = None  # the first failed rank's own last error line (its log)
+    out_of_memory: str | None = None  # the first failed rank ran out of memory: where and how it was seen
+    port_in_use: str | None = None  # before the first step: rank 0's log says the coordinator could not listen
+    resumed_from: int | None = None
+    stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
+    final_step: int = 0
+    final_committed: bool = False  # read once every rank has exited
+
+
+class Stop(enum.Enum):
+    """How the supervisor ends the attempt's processes."""
+
+    NOW = "now"  # SIGKILL at once: a peer is gone and the others would wait in a collective
+    GRACE = "grace"  # SIGTERM, resilience.signal_grace_seconds, SIGKILL: the user's stop
+    SAVE = "save"  # ask every rank to save and stop; SIGKILL what is left at the end of the grace
+    HANG = "hang"  # stack dumps, a short grace, SIGKILL
+    NONE = "none"  # every rank has exited
+
+
+@dataclass(frozen=True)
+class Ending:
+    cause: Cause
+    detail: str
+    stop: Stop
+    rank: int | None = None
+    code: int | None = None
+    step: int | None = None
+    nodes: tuple[str, ...] = ()
+    requeue: bool = False  # the allocation cannot go on (a node failure Slurm ended the job for, a preemption)
+    exclude: tuple[str, ...] = ()  # nodes to keep out of every later attempt
+    error: str | None = None  # the failed rank's own words (ranklogs.rank_error)
+
+
+def _after(step: int | None) -> str:
+    """Where a rank stood when it failed: the last step whose metrics it wrote (MaxText writes a step's line once
+    the next is dispatched, so an injection at step=S fires `after step S-1`)."""
+    return "before its first step" if step is None else f"after step {step}"
+
+
+def _fmt(step: int | None) -> str:
+    return "?" if step is None else str(step)
+
+
+def classify(obs: Observation) -> Ending | None:
+    """How the attempt ends, or None while it runs on. First match wins: the user and the scheduler come first,
+    then a hang (unless a rank already failed: its peers then wait on it), a failed rank, the end of training."""
+    failed = [e for e in obs.exits if e.returncode != 0]
+    if obs.interrupted and obs.down_nodes:
+        # Slurm ends a job (without --no-kill) when one of its nodes dies, and requeues it: a node failure, not
+        # the user's interrupt.
+        down = tuple(obs.down_nodes)
+        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(down)}: Slurm ended the job ("
+                                       f"{_after(obs.step)})", Stop.NOW, step=obs.step, nodes=down, requeue=True,
+                      exclude=down)
+    if obs.interrupted:
+        return Ending(Cause.INTERRUPTED, "interrupted by the user", Stop.GRACE)
+    if obs.dead_nodes:  # its peers wait in a collective; Slurm would see it only after SlurmdTimeout
+        dead = tuple(sorted(obs.dead_nodes))
+        why = "; ".join(f"{node}: {obs.dead_nodes[node]}" for node in dead)
+        return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(dead)} ({_after(obs.step)}): {why}",
+                      Stop.NOW, step=obs.step, nodes=dead, exclude=dead)
+    if obs.disk_full:  # a save that failed for space never succeeds on retry, and its trainer may sit forever
+        return Ending(Cause.DISK_FULL, f"disk full: {obs.disk_full}", Stop.NOW, step=obs.step)
+    if obs.restore_failed:  # its peers would wait in jax.distributed's shutdown barrier for minutes
+        return Ending(Cause.CORRUPT_CHECKPOINT, f"the checkpoint of step {_fmt(obs.resumed_from)} could not be "
+                                                f"restored: {obs.restore_failed}", Stop.NOW, step=obs.resumed_from)
+    if obs.port_in_use:  # the other ranks would wait out jax.distributed's initialization timeout
+        return Ending(Cause.PORT_IN_USE, f"jax.distributed's coordinator could not listen: {obs.port_in_use}",
+                      Stop.NOW, step=obs.step)
+    if obs.preempt:
+        return Ending(Cause.PREEMPTED, f"{obs.preempt} {_after(obs.step)} (time limit or preemption)",
+                      Stop.SAVE, step=obs.step, requeue=True)
+    if obs.inject_sigterm:
+        return Ending(Cause.PREEMPTED, f"SIGTERM {_after(obs.step)} (injected {obs.inject_sigterm})",
+                      Stop.SAVE, step=obs.step)
+    if obs.hang is not None and not failed:
+        hang = obs.hang
+        rank = sorted(hang.ranks, key=lambda r: (r not in obs.stopped, hang.ranks.index(r)))[0]
+        last = hang.last_steps.get(rank)
+        return Ending(Cause.HANG, f"hang: rank {rank} made no step progress for {hang.seconds_silent:.0f} s "
+                                  f"(timeout {hang.timeout:.0f} s, last step {_fmt(last)})", Stop.HANG,
+                      rank=rank, step=last)
+    if failed and obs.launch_failed:  # never a rank's exit code, never a crash loop: the nodes it names are left out
+        lost = tuple(obs.failed_nodes)
+        on = f" on {', '.join(lost)}" if lost else ""
+        return Ending(Cause.STEP_FAILED, f"the job step could not start its ranks{on}: {obs.launch_failed}",
+                      Stop.NOW, step=obs.step, nodes=lost, exclude=lost)
+    if failed:
+        first = failed[0]
+        last = obs.last_steps.get(first.rank)
+        if obs.failed_nodes:
+            lost = tuple(obs.failed_nodes)
+            return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} (rank {first.rank} lost "
+                                           f"{_after(last)})", Stop.NOW, rank=first.rank, code=first.returncode,
+                          step=last, nodes=lost, exclude=lost)
+        said = f": {obs.rank_error}" if obs.rank_error else ""
+        if obs.out_of_memory:
+            return Ending(Cause.OUT_OF_MEMORY, f"out of memory: rank {first.rank} {first.describe()} "
+                                               f"{_after(last)}: {obs.out_of_memory}", Stop.NOW, rank=first.rank,
+                          code=first.returncode, step=last, error=obs.rank_error)
+        cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
+        return Ending(cause, f"rank {first.rank} {first.describe()} {_after(last)}{said}", Stop.NOW,
+                      rank=first.rank, code=first.returncode, step=last, error=obs.rank_error)
+    if len(obs.exits) >= obs.processes:
+        if obs.final_committed:
+            return Ending(Cause.COMPLETED, "", Stop.NONE, step=obs.step)
+        return Ending(Cause.INCOMPLETE, f"all ranks exited 0 but step {obs.final_step} is not committed",
+                      Stop.NONE, step=obs.step)
+    return None

@@ -1,0 +1,167 @@
+"""What the ranks' logs say, for a diagnosis the exit codes cannot give: a write that failed for space (a
+checkpoint save) and a rank's last error lines. Read incrementally, at most every `every` seconds: logs grow
+for days and live on a shared file system."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from rkit.contract.safeio import open_regular
+
+# Orbax/TensorStore report a failed write as RESOURCE_EXHAUSTED ("Error writing ..."); Python and the C library
+# as ENOSPC / EDQUOT. XLA's out-of-memory is RESOURCE_EXHAUSTED too, but never about writing.
+DISK_FULL = re.compile(rb"No space left on device|Disk quota exceeded|\[Errno 28\]|\[Errno 122\]"
+                       rb"|RESOURCE_EXHAUSTED[^\n]*(?:[Ee]rror writing|[Ww]rite|[Nn]o space|[Qq]uota)")
+MAX_READ = 1 << 20  # per log and look: a burst of output is read over several looks
+
+
+# A restore that failed: TensorStore's DATA_LOSS/NOT_FOUND on a checkpoint's files, Orbax's own errors, MaxText
+# refusing a step directory it cannot use.
+RESTORE_FAILED = re.compile(rb"DATA_LOSS|Error reading shard|NOT_FOUND: [^\n]*(?:ocdbt|checkpoint|orbax)"
+                            rb"|[Ff]ailed to restore|checkpoint already exists")
+# JAX's coordination service (process 0) could not listen: gRPC's bind error, then JAX's own.
+PORT_IN_USE = re.compile(rb"Failed to add port to server|Failed to start RPC server")
+# JAX's coordination service declared a process dead (its heartbeat_timeout_seconds): a peer's node may be gone.
+JAX_PEER_LOST = re.compile(rb"stopped sending heartbeats|heartbeat timeout\. This indicates that the remote task")
+PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED, "port_in_use": PORT_IN_USE,
+            "jax_peer_lost": JAX_PEER_LOST}
+# Orbax's record of a finished restore (its standard logger, through absl): the CheckpointManager's start time
+# (the rank's wall clock) and duration, e.g. `{'step': 240, 'event_type': 'restore', ...,
+# 'checkpoint_manager_start_time': 1796146611.46, 'checkpoint_manager_duration_secs': 0.12}`.
+RESTORED = re.compile(rb"'event_type': 'restore'.*'checkpoint_manager_start_time': ([0-9.eE+-]+), "
+                      rb"'checkpoint_manager_duration_secs': ([0-9.eE+-]+)")
+
+
+class LogScan:
+    """The ranks' logs, read where the last look stopped: the first line of each kind (PATTERNS), and the log
+    it is in."""
+
+    def __init__(self, paths: list[Path], clock: Callable[[], float], every: float = 1.0):
+        self.paths = list(paths)
+        self.clock = clock
+        self.every = every
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+        self._next = 0.0
+        self.found: dict[str, tuple[str, Path]] = {}
+        self.restores: dict[Path, tuple[float, float]] = {}  # per log: Orbax's restore, (start, end)
+        self._restores_read = False  # restore_span was asked: later lines need not be searched for a restore
+
+    def scan(self, force: bool = False) -> dict[str, tuple[str, Path]]:
+        now = self.clock()
+        if force or now >= self._next:
+            self._next = now + self.every
+            for path in self.paths:
+                for line in self._new_lines(path):
+                    for kind, pattern in PATTERNS.items():
+                        if kind not in self.found and pattern.search(line):
+                            self.found[kind] = (line.decode("utf-8", "replace").strip()[:400], path)
+                    if not self._restores_read and path not in self.restores and (m := RESTORED.search(line)):
+                        try:
+                            start, seconds = float(m[1]), float(m[2])
+                        except ValueError:
+                            continue
+                        self.restores[path] = (start, start + max(0.0, seconds))
+        return self.found
+
+    def restore_span(self, force: bool = False) -> tuple[float, float] | None:
+        """Orbax's restore in the logs read so far: the first rank's start to the last rank's end (wall clock),
+        or None when no rank has restored (a fresh start, or an Orbax that does not log it). Asked once, at the
+        attempt's first step: the lines after it are not searched for a restore."""
+        self.scan(force)
+        self._restores_read = True
+        if not self.restores:
+            return None
+        return min(a for a, _ in self.restores.values()), max(b for _, b in self.restores.values())
+
+    def disk_full(self, force: bool = False) -> str | None:
+        """The first log line that says a write failed for space, once one was written."""
+        hit = self.scan(force).get("disk_full")
+        return hit[0] if hit else None
+
+    def restore_failed(self, force: bool = False) -> tuple[str, Path] | None:
+        return self.scan(force).get("restore_failed")
+
+    def port_in_use(self, force: bool = False) -> tuple[str, Path] | None:
+        return self.scan(force).get("port_in_use")
+
+    def _new_lines(self, path: Path) -> list[bytes]:
+        try:
+            with open_regular(path) as fh:
+                fh.seek(self._offsets.get(path, 0))
+                chunk = fh.read(MAX_READ)
+                self._offsets[path] = fh.tell()
+        except OSError:
+            return []
+        parts = (self._partial.get(path, b"") + chunk).split(b"\n")
+        self._partial[path] = parts.pop()[-MAX_READ:]
+        return parts
+
+
+def tail_text(path: Path, tail_bytes: int = 65536) -> str | None:
+    """The end of a rank's log as text; None when it cannot be read (missing, or not a regular file: a FIFO in
+    its place must not stall the supervisor)."""
+    try:
+        with open_regular(path) as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            return fh.read(tail_bytes).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def last_error_lines(path: Path, lines: int = 5, tail_bytes: int = 65536) -> list[str]:
+    """A rank's last lines that look like an error (a Python exception, an absl/XLA error), newest last."""
+    text = tail_text(path, tail_bytes)
+    if text is None:
+        return []
+    hits = [line.strip() for line in text.splitlines()
+            if re.search(r"Error|Exception|RESOURCE_EXHAUSTED|DATA_LOSS|NOT_FOUND|Traceback|^E\d{4} ", line)]
+    return [h[:300] for h in hits[-lines:]]
+
+
+# The last line of a Python traceback: `ValueError: ...`, `jax.errors.JaxRuntimeError: ...`, `KeyboardInterrupt`.
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Fault)"
+                            r"(?::\s.*)?$")
+LOG_LINE = re.compile(r"^[IWEF]\d{4} |^\d{4}-\d\d-\d\d[ T]")  # absl/glog's, or a timestamped logger's
+# Lines a rank's own runtime prints on a fatal error when no Python exception does: absl/glog fatal and error
+# lines (XLA, gRPC, TensorStore), Orbax's and XLA's RESOURCE_EXHAUSTED / DATA_LOSS.
+RUNTIME_ERROR = re.compile(r"^[FE]\d{4} |Check failed|RESOURCE_EXHAUSTED|DATA_LOSS|INTERNAL:|Segmentation fault|"
+                           r"Fatal Python error")
+# Out of memory in the rank's own words: Python's MemoryError, XLA's allocator (host or device), the C++ runtime.
+OUT_OF_MEMORY = re.compile(r"\bMemoryError\b|RESOURCE_EXHAUSTED: Out of memory|[Oo]ut of memory (?:while|trying)"
+                           r"|std::bad_alloc|Cannot allocate memory|hipErrorOutOfMemory|CUDA_ERROR_OUT_OF_MEMORY")
+
+
+def rank_error(path: Path, tail_bytes: int = 65536) -> str | None:
+    """A failed rank's own words for why it failed: the last Python exception line after a traceback (MaxText's
+    `ValueError: 'learning_rat' not in ...`), else the last fatal/error line of its runtime (XLA, gRPC, Orbax);
+    None when its log says nothing of the kind. Credentials in URLs are masked."""
+    from rkit.contract.stamp import REDACTED, redact_value
+
+    text = tail_text(path, tail_bytes)
+    if text is None:
+        return None
+    lines = [line.strip() for line in text.splitlines()]
+    found = None
+    traceback_at = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last")),
+                       default=None)
+    if traceback_at is not None:
+        at = next((i for i in range(traceback_at + 1, len(lines)) if EXCEPTION_LINE.match(lines[i])), None)
+        if at is not None:
+            # A message on several lines (pydantic's "1 validation error for MaxTextConfig", then the key and
+            # why): up to two more, up to the next log line.
+            more = []
+            for line in lines[at + 1:at + 4]:
+                if not line or LOG_LINE.match(line) or line.startswith(("Traceback", "For further information")):
+                    break
+                more.append(line)
+            found = " | ".join([lines[at], *more[:2]])
+    if found is None:
+        found = next((line for line in reversed(lines) if RUNTIME_ERROR.search(line)
+                      or OUT_OF_MEMORY.search(line)), None)
+    if found is None:
+        return None
+    return redact_value(found, REDACTED)[:400]

@@ -1,0 +1,427 @@
+"""The attempt loop: start an attempt, watch it, classify how it ended, decide restart / finish / stop.
+
+The policy (`decide`) is a pure function of the tally so far and one attempt's outcome, so it can be
+tested exhaustively; `Supervisor` does the I/O: the backend, the run directory's events, the clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit, Request
+from rkit.contract.config import Config
+from rkit.contract.rundir import EV, UMASK_ENV, RunDir, umask_for, write_json_atomic
+from rkit.images.identity import ImageIdentity
+from rkit.readers import outcome as run_outcome
+from rkit.run import preflight
+from rkit.run.attemptrecord import close_record, refuse_if_alive, started_at
+from rkit.run.attemptwatch import AttemptWatch
+from rkit.run.oomkills import OomWatch
+from rkit.run.policy import (
+    FINAL_EVENTS,
+    Action,
+    Budgets,
+    Cause,
+    Decision,
+    Ending,
+    Observation,
+    Outcome,
+    Progress,
+    RunState,
+    Stop,
+    Tally,
+    classify,
+    decide,
+    tally_from_events,
+)
+from rkit.run.tbmarks import mark_restart
+from rkit.runtime import devices
+from rkit.runtime.inject import Injection, pending
+from rkit.runtime.telemetry.metrics import MetricsTail, repair_tail
+from rkit.runtime.trainers import maxtext
+
+
+@dataclass
+class Supervisor:
+    run: RunDir
+    config: Config
+    injections: list[Injection]
+    backend: Backend
+    base_env: dict[str, str]
+    jax_cache_dir: str
+    host_env: dict[str, str] = field(default_factory=dict)
+    image: ImageIdentity | None = None
+    on_progress: Callable[[Progress], None] = lambda p: None
+    poll_seconds: float = 0.1
+    clock: Callable[[], float] = time.monotonic
+    _interrupted: bool = field(default=False, init=False)
+    _preempt: str | None = field(default=None, init=False)
+    _step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
+
+    # ------------------------------------------------------------ signals
+
+    def request_stop(self, signum: int = signal.SIGINT, frame: object = None) -> None:
+        self._interrupted = True
+
+    def request_preempt(self, signum: int = signal.SIGUSR1, frame: object = None) -> None:
+        """Time limit or preemption (Slurm's --signal=B:USR1@lead): save, stop, requeue."""
+        self._preempt = signal.Signals(signum).name
+
+    def excluded(self) -> list[str]:
+        return list(self.backend.exclude)
+
+    def launch_request(self, attempt: int, in_trainer: list[Injection], attempt_dir: Path) -> Request:
+        """What the backend will start for this attempt (rkit run --dry-run prints it; nothing is written)."""
+        env = dict(self.base_env)
+        env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
+                    "RKIT_BASE_CONFIG": self.config.trainer.base_config,
+                    UMASK_ENV: f"{umask_for(self.config.access):03o}",
+                    "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer]),
+                    devices.GPUS_ENV: str(self.config.gpus_per_node),
+                    devices.PER_NODE_ENV: str(self.config.resources.processes_per_node),
+                    devices.VENDOR_ENV: devices.vendor_of(self.image.gpu_flags if self.image else ())})
+        args = maxtext.maxtext_overrides(self.config, self.run, self.jax_cache_dir)
+        return self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args, base_env=env,
+                                    attempt_dir=attempt_dir, cwd=Path.cwd(), host_env=self.host_env)
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGTERM, self.request_stop)
+
+    # ------------------------------------------------------------ loop
+
+    @property
+    def processes(self) -> int:
+        return self.config.processes
+
+    def final_committed(self) -> bool:
+        latest = maxtext.latest_committed_step(self.run)
+        return latest is not None and latest >= self.config.trainer.final_step
+
+    def next_attempt_number(self) -> int:
+        return max(self.run.attempt_numbers(), default=0) + 1
+
+    def run_to_end(self) -> RunState:
+        try:
+            return self._run_to_end()
+        finally:
+            if self.backend.standby is not None:
+                self.backend.standby.dismiss()
+            if self.backend.liveness is not None:
+                self.backend.liveness.close()
+
+    def _run_to_end(self) -> RunState:
+        r = self.config.resilience
+        budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit)
+        events = self.run.events()
+        tally = tally_from_events(events)
+        progress = Progress(total_steps=int(self.config.trainer.steps))
+        progress.committed = maxtext.latest_committed_step(self.run)
+        if self.final_committed():
+            return self._final(EV.RUN_FINISHED, reason="the final step was already committed; nothing to run",
+                               committed_step=progress.committed)
+        lost = self._lost_attempt(events)
+        if lost is not None:
+            refuse_if_alive(self.run, lost[0])
+            decision, tally = decide(tally, lost[1], budgets, False)
+            self._record_end(lost[0], lost[1], decision, tally)
+            close_record(self.run, lost[0], lost[1])
+            if decision.action is Action.GIVE_UP:
+                return self._final(EV.RUN_GAVE_UP, reason=decision.reason, committed_step=lost[1].committed_after)
+        preflight.shared_paths(self.run, self.backend, self.image, self.next_attempt_number())
+        vendor = preflight.gpu_vendor(self.config.gpus_per_node, self.image)
+        while True:
+            preflight.no_planted_links(self.run, self.next_attempt_number())
+            self.image = preflight.image_unchanged(self.run, self.image, self.next_attempt_number())
+            if unfit := preflight.gpu_health(self.run, self.backend, vendor, self.next_attempt_number()):
+                self._exclude(sorted(unfit), reason="GPU health check: " + "; ".join(
+                    f"{node}: {why}" for node, why in sorted(unfit.items())))
+            outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
+            final = self.final_committed()
+            decision, tally = decide(tally, outcome, budgets, final)
+            self._record_end(progress.attempt, outcome, decision, tally)
+            if decision.action in FINAL_WORD:
+                return self._final(FINAL_WORD[decision.action], reason=decision.reason,
+                                   committed_step=outcome.committed_after)
+            if decision.action is Action.REQUEUE:
+                self.run.emit(EV.JOB_REQUEUE_REQUESTED, reason=decision.reason,
+                              committed_step=outcome.committed_after, excluded=list(self.excluded()))
+                return RunState.REQUEUED
+
+    def _final(self, kind: str, **fields: object) -> RunState:
+        """The run's final word, then what it came out as (outcome.json: `rkit compare`, `rkit status`)."""
+        self.run.emit(kind, **fields)
+        run_outcome.write(self.run, self.config)
+        return FINAL_EVENTS[kind]
+
+    def _record_end(self, attempt: int, outcome: Outcome, decision: Decision, tally: Tally) -> None:
+        self.run.emit(EV.ATTEMPT_ENDED, attempt=attempt, cause=outcome.cause.value, detail=outcome.detail,
+                      committed_step=outcome.committed_after, decision=decision.action.value, reason=decision.reason,
+                      tally=tally.as_dict())
+
+    def _lost_attempt(self, events: list[dict]) -> tuple[int, Outcome] | None:
+        """An attempt that started and never ended: its supervisor died with it (Slurm requeued the job after
+        the batch host failed, or the machine was lost). It counts against the infrastructure budget."""
+        started = [e for e in events if e.get("event") == EV.ATTEMPT_STARTED]
+        if not started:
+            return None
+        attempt = started[-1]["attempt"]
+        if any(e.get("event") == EV.ATTEMPT_ENDED and e.get("attempt") == attempt for e in events):
+            return None
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+        how = (f"node failure: Slurm requeued the job (SLURM_RESTART_COUNT={restarts})" if restarts != "0"
+               else "the supervisor was killed or its machine was lost")
+        return attempt, Outcome(Cause.LOST, started[-1].get("resume_from_step"),
+                                maxtext.latest_committed_step(self.run),
+                                f"attempt {attempt} ended with its supervisor ({how})")
+
+    def run_attempt(self, progress: Progress, injections: list[Injection]) -> Outcome:
+        """Start one attempt, watch it until `classify` says how it ends, end it that way, record it."""
+        attempt = self.next_attempt_number()
+        attempt_dir = self.run.attempt_dir(attempt)
+        attempt_dir.mkdir(parents=True, exist_ok=False)
+        self._check_checkpoints()
+        committed_before = maxtext.latest_committed_step(self.run)
+        # Earlier attempts' summaries of the steps this one trains again are dropped by TensorBoard (tbmarks.py).
+        restart_step = 0 if committed_before is None else committed_before + 1
+        tb_note = mark_restart(self.run.tensorboard_dir, restart_step)
+        progress.attempt, progress.committed, progress.step = attempt, committed_before, committed_before
+        progress.message = f"attempt {attempt}: starting"
+        self.on_progress(progress)
+
+        self.run.metrics_dir.mkdir(exist_ok=True)
+        for rank in range(self.processes):
+            repair_tail(self.run.metrics_file(rank))
+        tails = {rank: MetricsTail(self.run.metrics_file(rank)) for rank in range(self.processes)}
+        for tail in tails.values():
+            tail.skip_existing()
+        in_trainer = [i for i in injections if i.in_trainer]
+        sigterm_at = min((i for i in injections if i.kind == "sigterm"), key=lambda i: i.step, default=None)
+
+        try:
+            request = self.launch_request(attempt, in_trainer, attempt_dir)
+        except NotEnoughNodes as exc:
+            self.run.emit(EV.ATTEMPT_NO_NODES, attempt=attempt, healthy=exc.healthy, excluded=exc.excluded)
+            return Outcome(Cause.NODE_FAIL, committed_before, committed_before, str(exc), requeue=True)
+        started = time.time()
+        info = {"attempt": attempt, "started": started, "backend": self.backend.name,
+                "excluded_nodes": self.excluded(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "image": None if self.image is None else {"path": self.image.path, "sha256": self.image.sha256},
+                "resume_from_step": committed_before, "injections": [i.spec for i in injections],
+                "launch": request.as_record(self.run.path)}
+        try:
+            handle = self.backend.submit(request)
+        except OSError as exc:
+            return Outcome(Cause.LAUNCH_ERROR, committed_before, committed_before, f"{exc}")
+        try:
+            info["nodes"] = self.backend.nodes(handle)
+            info["pids"] = handle.pids()
+            info["host"] = socket.gethostname()
+            info["pid_started"] = {name: started_at(pid) for name, pid in info["pids"].items()}
+            write_json_atomic(self.run.attempt_record(attempt), info)
+            self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
+                          nodes=info["nodes"], processes=self.processes, injections=info["injections"],
+                          **({"tensorboard": tb_note} if tb_note else {}))
+            watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
+                                 oom=OomWatch.of(list(info["pids"].values())))
+            if self.backend.liveness is not None:
+                self.backend.liveness.watch(attempt, info["nodes"], self.config.resources.processes_per_node)
+            ending = self._watch(handle, attempt, watch, info["nodes"], sigterm_at)
+        except BaseException:  # the supervisor itself failed (an unwritable run directory): no rank runs on
+            self.backend.stop(handle, grace=0)
+            raise
+        if ending.cause is Cause.CORRUPT_CHECKPOINT and committed_before is not None:
+            self._quarantine(committed_before, ending.detail)
+        committed_after = maxtext.latest_committed_step(self.run)
+        too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
+        requeue = ending.requeue or too_few
+        if ending.cause is Cause.PREEMPTED:
+            # Saved means a checkpoint at or after the step the save was asked at: nothing is recomputed (a
+            # period save that committed meanwhile is not the preemption save).
+            saved = committed_after is not None and committed_after != committed_before and (
+                ending.step is None or committed_after >= ending.step)
+            self.run.emit(EV.PREEMPT_SAVED if saved else EV.PREEMPT_UNSAVED, attempt=attempt,
+                          committed_step=committed_after, requested_at_step=ending.step, step=progress.step)
+        info.update({"ended": time.time(), "cause": ending.cause.value, "detail": ending.detail, "error": ending.error,
+                     "committed_step": committed_after,
+                     "exits": {str(r): e.as_record() for r, e in sorted(handle.exits.items())}})
+        write_json_atomic(self.run.attempt_record(attempt), info)
+        return Outcome(ending.cause, committed_before, committed_after, ending.detail, requeue=requeue,
+                       rank=ending.rank, code=ending.code, step=ending.step, nodes=ending.nodes)
+
+    def _watch(self, handle: Handle, attempt: int, watch: AttemptWatch, nodes: list[str],
+               sigterm_at: Injection | None) -> Ending:
+        """Poll until `classify` says how the attempt ends, end it that way (a save waits for the ranks up to the
+        grace), and return the ending."""
+        ending: Ending | None = None
+        save_deadline: float | None = None
+        while True:
+            watch.read()
+            exits = self.backend.poll(handle)
+            if self.backend.standby is not None:
+                if watch.first_step_seen:  # after the start-up: a standby's imports would slow it down
+                    self.backend.standby.fill()
+                for note in self.backend.standby.check():
+                    self.run.emit(EV.STANDBY, attempt=attempt, **note)
+            dead = self._liveness(attempt, watch) if ending is None else {}
+            if ending is None:
+                observed = self._observe(handle, watch, exits, sigterm_at, dead)
+                ending = classify(observed)
+                if ending is not None:
+                    save_deadline = self._end(ending, observed, handle, attempt, nodes, sigterm_at)
+            if ending is not None and ending.stop is not Stop.SAVE:
+                break
+            if ending is not None and len(exits) >= self.processes:
+                break  # the ranks saved and stopped
+            if save_deadline is not None and self.clock() >= save_deadline:
+                self.run.emit(EV.PREEMPT_ESCALATED, attempt=attempt, signal="SIGKILL",
+                              still_running=self.backend.running(handle))
+                self.backend.stop(handle, grace=0)
+                break
+            time.sleep(self.poll_seconds)
+        return ending
+
+    def _liveness(self, attempt: int, watch: AttemptWatch) -> dict[str, str]:
+        """Heartbeats and probes (liveness.py): the nodes confirmed dead in this pass, with why."""
+        liveness = self.backend.liveness
+        if liveness is None:
+            return {}
+        notes, dead = liveness.check(watch.hang.last_progress)
+        for note in notes:
+            self.run.emit(note.pop("event"), attempt=attempt, **note)
+        return dead
+
+    def _observe(self, handle: Handle, watch: AttemptWatch, exits: dict[int, RankExit],
+                 sigterm_at: Injection | None, dead: dict[str, str]) -> Observation:
+        first = next((e for e in exits.values() if e.returncode != 0), None)
+        failed = first is not None
+        said, oom = None, None
+        if failed:
+            watch.read()  # a failed rank's last lines may have landed after this round's read
+            said, oom = watch.failure(first.rank, first.returncode)
+            oom = handle.out_of_memory or oom  # Slurm's cgroup saw it on the rank's node
+        step = watch.progress.step
+        hang = None if failed else watch.hang.check(self.clock())
+        everyone_exited = len(exits) >= self.processes
+        return Observation(
+            processes=self.processes, exits=tuple(exits.values()), last_steps=watch.last_steps(), step=step,
+            failed_nodes=tuple(handle.failed_nodes), dead_nodes=dead, launch_failed=handle.launch_failed,
+            jax_peer_lost=watch.jax_peer_lost(force=bool(dead)),
+            down_nodes=tuple(self.backend.down_nodes(handle)) if self._interrupted else (),
+            interrupted=self._interrupted, preempt=self._preempt,
+            inject_sigterm=(sigterm_at.spec if sigterm_at is not None and step is not None
+                            and step >= sigterm_at.step else None),
+            hang=hang, disk_full=watch.disk_full(force=failed or hang is not None),
+            restore_failed=watch.restore_failed(force=failed or hang is not None), resumed_from=watch.resumed_from,
+            rank_error=said, out_of_memory=oom,
+            port_in_use=watch.port_in_use(force=failed),
+            stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
+            final_step=self.config.trainer.final_step,
+            final_committed=everyone_exited and not failed and self.final_committed())
+
+    def _end(self, ending: Ending, observed: Observation, handle: Handle, attempt: int, nodes: list[str],
+             sigterm_at: Injection | None) -> float | None:
+        """Record how the attempt ends and end its processes that way; a save returns its SIGKILL deadline."""
+        if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL, Cause.STEP_FAILED,
+                            Cause.OUT_OF_MEMORY):
+            first = handle.exits.get(ending.rank) if ending.rank is not None else None
+            detected = self._detection(ending, observed)
+            self.run.emit(EV.ATTEMPT_FAILED, attempt=attempt, cls=ending.cause.value, rank=ending.rank,
+                          exit_code=first.returncode if first and first.returncode >= 0 else None,
+                          signal=first.signal_name if first else ("SIGTERM" if ending.nodes else None),
+                          last_step=ending.step,
+                          node=first.node if first and first.node else
+                          (ending.nodes[0] if first is None and ending.nodes else nodes[0]),
+                          lost_nodes=list(ending.nodes), **({"error": ending.error} if ending.error else {}),
+                          **detected)
+            handle.failed_nodes.extend(n for n in ending.nodes if n not in handle.failed_nodes)
+        if ending.stop is Stop.NOW:
+            self.backend.stop(handle, grace=0)
+        elif ending.stop is Stop.GRACE:
+            self.run.emit(EV.STOP_REQUESTED, attempt=attempt, reason="interrupt (Ctrl-C / SIGTERM)",
+                          grace_seconds=self._grace)
+            self.backend.stop(handle, grace=self._grace)
+        elif ending.stop is Stop.HANG:
+            self._end_hung_attempt(handle, attempt, ending, observed, nodes)
+        elif ending.stop is Stop.SAVE:
+            if self._preempt:
+                return self._request_save(handle, attempt, ending.step, reason="signal from Slurm",
+                                          received=self._preempt)
+            self.run.emit(EV.INJECT_FIRED, index=sigterm_at.index, kind="sigterm", step=ending.step,
+                          attempt=attempt, spec=sigterm_at.spec)
+            return self._request_save(handle, attempt, ending.step, reason="injected")
+        return None
+
+    def _detection(self, ending: Ending, observed: Observation) -> dict[str, object]:
+        """Who saw a node failure first (rkit's heartbeats and probe, or Slurm through srun), how long after the
+        node's last heartbeat, where it sent any, and JAX's word where a rank's log had it by then."""
+        if ending.cause is not Cause.NODE_FAIL:
+            return {}
+        liveness = self.backend.liveness
+        heard = [t for n in ending.nodes if liveness is not None and (t := liveness.last_heard(n)) is not None]
+        after = {"detect_seconds": round(self.clock() - min(heard), 3)} if heard else {}
+        jax = {"jax_saw_it": observed.jax_peer_lost} if observed.jax_peer_lost else {}
+        return {"detected_by": "rkit" if observed.dead_nodes else "slurm", **after, **jax}
+
+    def _end_hung_attempt(self, handle: Handle, attempt: int, ending: Ending, observed: Observation,
+                          nodes: list[str]) -> None:
+        """Stack dumps where possible, then SIGKILL."""
+        hang, stopped = observed.hang, list(observed.stopped)
+        ranks = sorted(hang.ranks, key=lambda r: (r not in stopped, hang.ranks.index(r)))
+        self.run.emit(EV.ATTEMPT_HANG, attempt=attempt, rank=ending.rank, ranks=ranks, stopped_ranks=stopped,
+                      node=nodes[0] if len(nodes) == 1 else None, last_step=ending.step,
+                      seconds_silent=hang.seconds_silent, timeout=hang.timeout)
+        dumps = self.backend.dump_stacks(handle, self.run.stacks_dir(attempt), stopped)
+        self.run.emit(EV.ATTEMPT_STACKS_DUMPED, attempt=attempt, how=dumps)
+        # Killed at once: a hung collective does not save, and a SIGTERM with the SIGCONT a stopped rank needs to
+        # act on it would let that rank train on (a tiny run finished and saved its final step in that grace).
+        self.backend.stop(handle, grace=0)
+
+    def _request_save(self, handle: Handle, attempt: int, step: int | None, *, reason: str,
+                      **fields: object) -> float:
+        """The preemption path: ask every rank to save and stop; returns the SIGKILL deadline."""
+        self.run.emit(EV.PREEMPT_REQUESTED, attempt=attempt, step=step, signal="SIGTERM",
+                      grace_seconds=self._grace, reason=reason, **fields)
+        self.backend.request_save(handle)
+        return self.clock() + self._grace
+
+    def _check_checkpoints(self) -> None:
+        """Before every attempt: a step directory MaxText would see but could not restore from is moved aside, so
+        the attempt resumes from the previous good step (rkit's idea of committed and MaxText's agree)."""
+        for step, path in sorted(maxtext.step_dirs(self.run).items(), reverse=True):
+            problem = maxtext.step_problem(path)
+            if problem is not None:
+                self._quarantine(step, problem)
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        target = maxtext.quarantine(self.run, step)
+        if target is not None:
+            self.run.emit(EV.CHECKPOINT_QUARANTINED, step=step, reason=reason,
+                          moved_to=str(target.relative_to(self.run.path)))
+
+    def _exclude(self, nodes: list[str], reason: str = "implicated in a node failure") -> bool:
+        """Keep failed nodes out of the next step; True when too few healthy nodes are left (requeue)."""
+        exclude = self.backend.exclude
+        exclude.extend(n for n in nodes if n not in exclude)
+        healthy = self.backend.healthy_nodes()
+        needed = self.config.resources.nodes
+        self.run.emit(EV.NODES_EXCLUDED, nodes=nodes, excluded=list(exclude), healthy=healthy,
+                      reason=reason)
+        return len(healthy) < needed
+
+    @property
+    def _grace(self) -> float:
+        return float(self.config.resilience.signal_grace_seconds)
+
+
+# The decisions that end the run, and the event that says so.
+FINAL_WORD = {Action.FINISH: EV.RUN_FINISHED, Action.GIVE_UP: EV.RUN_GAVE_UP, Action.STOP: EV.RUN_INTERRUPTED}
+def default_jax_cache_dir() -> str:
+    return os.environ.get("RKIT_JAX_CACHE_DIR") or str(Path.home() / ".cache" / "rkit" / "jax")

@@ -1,0 +1,102 @@
+"""Fault injection for rehearsals and tests: `--inject kind:key=value,...`.
+
+kill:rank=R,step=S          SIGKILL rank R at step S (kill, exit and hang fire in the rank's training loop,
+                            once step S is dispatched: it never trains step S+1)
+exit:rank=R,step=S,code=C   rank R exits with code C (default 1) at step S
+hang:rank=R,step=S          rank R stops (SIGSTOP of its process) at step S: it keeps existing but never
+                            advances, so the supervisor's hang detection has to notice, dump and replace it
+sigterm:step=S              the preemption path: the supervisor asks every rank to save (SIGTERM),
+                            waits the grace period, SIGKILLs what is left, and starts a new attempt
+Add `repeat=true` to fire in every attempt (a deterministic failure); by default an injection fires once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import EV
+
+KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
+REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
+FIRED_EVENT = EV.INJECT_FIRED
+
+
+@dataclass(frozen=True)
+class Injection:
+    index: int
+    kind: str
+    step: int
+    rank: int | None = None
+    code: int = 1
+    repeat: bool = False
+    spec: str = ""
+
+    @property
+    def in_trainer(self) -> bool:
+        """kill, exit and hang act inside the rank's own process; sigterm is the supervisor's preemption path."""
+        return self.kind in ("kill", "exit", "hang")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, value: dict) -> Injection:
+        return cls(**value)
+
+
+def parse_injection(spec: str, index: int = 0) -> Injection:
+    kind, _, rest = spec.partition(":")
+    kind = kind.strip()
+    if kind not in KINDS:
+        raise RkitError(f"--inject {spec!r}: unknown kind {kind!r}; use one of {', '.join(sorted(KINDS))} "
+                        "(e.g. kill:rank=1,step=60).")
+    fields: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise RkitError(f"--inject {spec!r}: {item!r} is not key=value.")
+        fields[key.strip()] = value.strip()
+    allowed = KINDS[kind] | {"repeat"}
+    unknown = set(fields) - allowed
+    if unknown:
+        raise RkitError(f"--inject {spec!r}: unknown field(s) {', '.join(sorted(unknown))}; "
+                        f"{kind} takes {', '.join(sorted(allowed))}.")
+    missing = REQUIRED[kind] - set(fields)
+    if missing:
+        raise RkitError(f"--inject {spec!r}: missing {', '.join(sorted(missing))} (e.g. kill:rank=1,step=60).")
+    try:
+        numbers = {k: int(v) for k, v in fields.items() if k in ("rank", "step", "code")}
+    except ValueError:
+        raise RkitError(f"--inject {spec!r}: rank, step and code must be whole numbers.") from None
+    if any(v < 0 for v in numbers.values()):
+        raise RkitError(f"--inject {spec!r}: rank, step and code must not be negative.")
+    if "code" in numbers and not 1 <= numbers["code"] <= 255:
+        raise RkitError(f"--inject {spec!r}: code {numbers['code']} is not an exit code of a failure; give 1..255.")
+    repeat = fields.get("repeat", "false").lower()
+    if repeat not in ("true", "false", "1", "0", "yes", "no"):
+        raise RkitError(f"--inject {spec!r}: repeat must be true or false.")
+    return Injection(index=index, kind=kind, step=numbers["step"], rank=numbers.get("rank"),
+                     code=numbers.get("code", 1), repeat=repeat in ("true", "1", "yes"), spec=spec)
+
+
+def parse_injections(specs: list[str] | tuple[str, ...], processes: int,
+                     steps: int | None = None) -> list[Injection]:
+    """The --inject specs, checked against the run: its ranks, and its steps (0..steps-1, MaxText's numbers)."""
+    injections = [parse_injection(spec, i) for i, spec in enumerate(specs)]
+    for inj in injections:
+        if inj.rank is not None and inj.rank >= processes:
+            raise RkitError(f"--inject {inj.spec!r}: rank {inj.rank} does not exist; "
+                            f"this run has ranks 0..{processes - 1}.")
+        if steps is not None and inj.step >= steps:
+            raise RkitError(f"--inject {inj.spec!r}: step {inj.step} is never reached; this run trains steps "
+                            f"0..{steps - 1} (trainer.steps={steps}).")
+    return injections
+
+
+def pending(injections: list[Injection], events: list[dict]) -> list[Injection]:
+    """Injections still to fire: one-shot ones fire once per run, repeat ones every attempt."""
+    starts = [i for i, e in enumerate(events) if e.get("event") in (EV.RUN_SUBMITTED, EV.RUN_RESUMED)]
+    since = events[starts[-1]:] if starts else events  # indexes restart with each `rkit run`
+    fired = {e.get("index") for e in since if e.get("event") == FIRED_EVENT}
+    return [inj for inj in injections if inj.repeat or inj.index not in fired]

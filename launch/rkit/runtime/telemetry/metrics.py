@@ -1,0 +1,174 @@
+"""Per-step metrics, one file per process: metrics/<rank>.jsonl.
+
+The agent reads MaxText's own metrics_file (attempts/<n>/maxtext/<rank>.jsonl) as MaxText writes it and appends
+one rkit line per step to metrics/<rank>.jsonl, in one write each (a crash loses at most that line):
+
+    {"t", "attempt", "rank", "node", "step", "loss", "step_time", "tokens_per_sec_per_device",
+     "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes"}
+
+Files are appended attempt after attempt; the merged view keeps one line per step, the newest attempt's, and
+marks steps trained more than once. Readers also accept MaxText's raw lines (runs from before this format).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import JsonlTail, RunDir, read_jsonl
+
+# MaxText's metrics_file keys -> rkit's
+MAXTEXT_KEYS = {"learning/loss": "loss", "perf/step_time_seconds": "step_time",
+                "perf/per_device_tokens_per_sec": "tokens_per_sec_per_device",
+                "perf/per_device_tflops": "tflops_per_device"}
+FIELDS = ("t", "attempt", "rank", "node", "step", "loss", "step_time", "tokens_per_sec_per_device",
+          "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes")
+
+# Dense bf16 peak TFLOP/s per device, for MFU (vendor data sheets). An unknown device gets no MFU rather than
+# a guess.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "MI300X": 1307.4, "MI325X": 1307.4, "MI300A": 980.6,
+               "MI250X": 383.0, "MI250": 362.1, "MI355X": 2516.6, "B200": 2250.0, "GH200": 989.0}
+
+
+def peak_tflops(device_kind: str | None) -> float | None:
+    """The device's peak from its JAX device_kind ("NVIDIA H200", "AMD Instinct MI300X", ...): longest match."""
+    if not device_kind:
+        return None
+    kind = device_kind.upper()
+    hits = [name for name in PEAK_TFLOPS if name in kind]
+    return PEAK_TFLOPS[max(hits, key=len)] if hits else None
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    loss: float | None
+    step_time: float | None
+    tokens_per_sec_per_device: float | None
+    attempt: int | None = None
+    t: float | None = None
+    node: str | None = None
+
+
+INT_FIELDS = ("attempt", "rank", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes")
+
+
+def normalize(value: dict) -> dict[str, Any] | None:
+    """An rkit line as a dict of FIELDS (a MaxText raw line is translated); None if it has no step (or a step
+    that is not a whole number from 0). A field of the wrong type (a damaged or foreign file) reads as absent;
+    the loss may be NaN (a run that diverged), times and rates must be finite."""
+    step = value.get("step")
+    if isinstance(step, float) and math.isfinite(step) and step.is_integer():
+        step = int(step)
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 1 << 62:
+        return None
+    line = {key: value.get(key) for key in FIELDS}
+    for raw, key in MAXTEXT_KEYS.items():
+        if line.get(key) is None and raw in value:
+            line[key] = value[raw]
+    for key in FIELDS:
+        v = line[key]
+        if v is None:
+            continue
+        if key == "node":
+            line[key] = v if isinstance(v, str) else None
+        elif key in INT_FIELDS:
+            line[key] = v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 62 else None
+        elif not isinstance(v, (int, float)) or isinstance(v, bool):
+            line[key] = None
+        elif key == "loss":
+            line[key] = None if math.isinf(v) else float(v)
+        elif not math.isfinite(v) or abs(v) >= 1e15 or (key == "t" and not 0 <= v < 1e11):
+            line[key] = None
+    line["step"] = step
+    return line
+
+
+def enrich(raw: dict, *, t: float, attempt: int, rank: int, node: str, peak: float | None,
+           device_memory: tuple[int | None, int | None], host_rss: int | None) -> dict[str, Any] | None:
+    """The rkit line for one MaxText metrics line (None when the line is not a step's)."""
+    line = normalize(raw)
+    if line is None:
+        return None
+    tflops = line.get("tflops_per_device")
+    line.update(t=round(t, 3), attempt=attempt, rank=rank, node=node, host_rss_bytes=host_rss,
+                device_memory_bytes=device_memory[0], device_memory_peak_bytes=device_memory[1],
+                mfu=round(tflops / peak, 6) if peak and isinstance(tflops, (int, float)) else None)
+    return line
+
+
+def from_line(value: dict) -> StepMetrics | None:
+    line = normalize(value)
+    if line is None:
+        return None
+    return StepMetrics(step=line["step"], loss=line["loss"], step_time=line["step_time"],
+                       tokens_per_sec_per_device=line["tokens_per_sec_per_device"], attempt=line["attempt"],
+                       t=line["t"], node=line["node"])
+
+
+def read_rank(path: Path) -> list[StepMetrics]:
+    return [m for m in map(from_line, read_jsonl(path)) if m is not None]
+
+
+def lines(run: RunDir, rank: int) -> list[dict[str, Any]]:
+    """Every line of one rank's file, normalized, in file order (attempts appended one after another)."""
+    return [line for line in map(normalize, read_jsonl(run.metrics_file(rank))) if line is not None]
+
+
+def ranks(run: RunDir) -> list[int]:
+    """Ranks that have a metrics file."""
+    try:
+        names = os.listdir(run.metrics_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:  # a file, or unreadable, in place of metrics/
+        raise RkitError(f"{run.metrics_dir}: cannot be listed: {exc.strerror}; rkit writes a directory of one "
+                        "metrics file per rank there. Restore it from a copy of the run directory.") from None
+    return sorted(int(n[:-6]) for n in names if n.endswith(".jsonl") and n[:-6].isdigit() and len(n) < 26)
+
+
+def merged(run: RunDir, rank: int = 0) -> dict[int, dict]:
+    """One entry per step: the newest line wins (files are appended attempt after attempt); `recomputed` marks
+    steps that were trained more than once because of a restart."""
+    return merge(lines(run, rank))
+
+
+def merge(rank_lines: list[dict[str, Any]]) -> dict[int, dict]:
+    """`merged` of lines already read (one rank's, in file order)."""
+    view: dict[int, dict] = {}
+    for line in rank_lines:
+        seen = view.get(line["step"])
+        view[line["step"]] = {**line, "recomputed": seen is not None}
+    return dict(sorted(view.items()))
+
+
+def repair_tail(path: Path) -> None:
+    """End a file cut mid-line by a crash with a newline, so the next attempt's first line stays whole."""
+    try:
+        with open(path, "rb+") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+    except FileNotFoundError:
+        return
+
+
+class MetricsTail(JsonlTail):
+    """Follows one metrics file as it grows; remembers the newest step seen."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.last: StepMetrics | None = None
+
+    def poll(self) -> list[StepMetrics]:
+        out = [m for m in map(from_line, self.poll_raw()) if m is not None]
+        if out:
+            self.last = out[-1]
+        return out

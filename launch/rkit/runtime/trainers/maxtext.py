@@ -1,0 +1,268 @@
+"""MaxText: its command line from a recipe, its committed checkpoints, its config files.
+
+Host side only needs the standard library; `resolve_base_config` runs in the training environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir
+from rkit.contract.stamp import REDACTED, is_secret_name, redact_value
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rkit.contract.config import Config
+
+MODULE = "maxtext.trainers.pre_train.train"
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+# MaxText settings that rkit owns (maxtext_overrides and rank_overrides set them); a recipe sets them through
+# its own sections, and the recipe loader refuses them in trainer.overrides.
+OWNED_KEYS = {
+    "steps": "trainer.steps",
+    "base_output_directory": "runs_dir (rkit puts MaxText's output in the run directory)",
+    "run_name": "name (rkit sets MaxText's run_name so resume is automatic)",
+    "metrics_file": "nothing (rkit writes metrics/<rank>.jsonl)",
+    "enable_checkpointing": "checkpoint.period (checkpointing is always on: resume needs it)",
+    "checkpoint_period": "checkpoint.period",
+    "max_num_checkpoints_to_keep": "checkpoint.keep",
+    "async_checkpointing": "checkpoint.async",
+    "enable_autocheckpoint": "nothing (rkit turns it on: a SIGTERM saves at the preemption sync point)",
+    "jax_cache_dir": "the RKIT_JAX_CACHE_DIR environment variable",
+    "skip_jax_distributed_system": "resources.processes_per_node (rkit sets up jax.distributed)",
+}
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return json.dumps(value)
+    return str(value)
+
+
+def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str) -> list[str]:
+    """MaxText key=value arguments, the same for every rank: the recipe's overrides, then the settings rkit
+    owns. Each rank's agent adds its own `metrics_file` (see `rank_overrides`)."""
+    ckpt = config.checkpoint
+    args = [f"{k}={_render(v)}" for k, v in sorted((config.trainer.overrides or {}).items()) if v is not None]
+    owned = {
+        "steps": config.trainer.steps,
+        "base_output_directory": str(run.maxtext_base.resolve()),
+        "run_name": run.maxtext_run_name,
+        "enable_checkpointing": True,
+        "checkpoint_period": ckpt.period,
+        "async_checkpointing": ckpt.asynchronous,
+        # Without it MaxText stops at the preemption sync point *without* saving (only period steps are saved).
+        "enable_autocheckpoint": True,
+        "jax_cache_dir": jax_cache_dir,
+    }
+    if ckpt.keep:
+        owned["max_num_checkpoints_to_keep"] = ckpt.keep
+    if config.processes == 1:
+        owned["skip_jax_distributed_system"] = True
+    args.extend(f"{k}={_render(v)}" for k, v in owned.items())
+    return args
+
+
+def rank_overrides(run: RunDir, attempt: int, rank: int) -> list[str]:
+    """The per-process part: MaxText's metrics file, one per rank and attempt (two ranks writing one file lose
+    lines; MaxText truncates it when it starts from step 0). The agent turns it into metrics/<rank>.jsonl."""
+    return [f"metrics_file={run.maxtext_metrics_file(attempt, rank).resolve()}"]
+
+
+def committed_steps(run: RunDir) -> list[int]:
+    """Steps with a committed Orbax checkpoint; a `*.orbax-checkpoint-tmp*` directory never counts."""
+    steps = []
+    try:
+        entries = list(os.scandir(run.orbax_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if not entry.is_dir() or TMP_MARKER in entry.name or not (entry.name.isascii() and entry.name.isdigit()):
+            continue
+        path = Path(entry.path)
+        if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists():
+            steps.append(int(entry.name))
+    return sorted(steps)
+
+
+def latest_committed_step(run: RunDir) -> int | None:
+    steps = committed_steps(run)
+    return steps[-1] if steps else None
+
+
+def step_dirs(run: RunDir) -> dict[int, Path]:
+    """Every step directory MaxText would see (committed or not); Orbax's temporary ones excluded."""
+    try:
+        entries = list(os.scandir(run.orbax_dir))
+    except FileNotFoundError:
+        return {}
+    return {int(e.name): Path(e.path) for e in entries
+            if e.is_dir() and TMP_MARKER not in e.name and e.name.isascii() and e.name.isdigit()}
+
+
+def step_problem(path: Path) -> str | None:
+    """Why MaxText could not restore this step directory, as far as Orbax's own files show it; None when they
+    are all there. Orbax writes: _CHECKPOINT_METADATA (the item handlers, the commit time) and, per item, its
+    _METADATA, and for OCDBT the root manifest.ocdbt and each process's ocdbt.process_<i>/manifest.ocdbt with
+    its data files under d/. (A data file lost among several is only found by the restore itself: see
+    ranklogs.RESTORE_FAILED.)"""
+    meta = path / "_CHECKPOINT_METADATA"
+    if not meta.is_file() and not (path / "commit_success.txt").is_file():
+        return "no commit marker (_CHECKPOINT_METADATA or commit_success.txt): the save never finished"
+    try:
+        handlers = json.loads(meta.read_text(encoding="utf-8")).get("item_handlers") if meta.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return "_CHECKPOINT_METADATA is unreadable"
+    for item in sorted(handlers or {}):
+        item_dir = path / item
+        if not item_dir.is_dir():
+            return f"item {item!r} is missing"
+        if not (item_dir / "_METADATA").is_file():
+            return f"{item}/_METADATA is missing"
+        try:  # Orbax's tree metadata, JSON: an emptied or cut one fails the restore with a bare exit 1
+            tree = json.loads((item_dir / "_METADATA").read_bytes())
+        except (OSError, ValueError):
+            tree = None
+        if not isinstance(tree, dict):
+            return f"{item}/_METADATA is not readable JSON (emptied or cut)"
+        if (item_dir / "manifest.ocdbt").is_file():
+            for proc in sorted(item_dir.glob("ocdbt.process_*")):
+                if not (proc / "manifest.ocdbt").is_file():
+                    return f"{item}/{proc.name}/manifest.ocdbt is missing"
+                data = proc / "d"
+                if not data.is_dir() or not any(data.iterdir()):
+                    return f"{item}/{proc.name}/d holds no data files"
+    return None
+
+
+def quarantine(run: RunDir, step: int) -> Path | None:
+    """Move a step directory MaxText must not restore from to checkpoints/quarantine/<step>[-n]; kept for a
+    post-mortem, out of Orbax's sight."""
+    source = run.orbax_dir / str(step)
+    if not source.is_dir():
+        return None
+    target = run.quarantine_dir / str(step)
+    n = 2
+    while target.exists():
+        target = run.quarantine_dir / f"{step}-{n}"
+        n += 1
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(source, target)
+    return target
+
+
+def resolve_base_config(name: str) -> str:
+    """A path as given, else a file inside the installed MaxText's configs directory."""
+    if os.path.isfile(name):
+        return os.path.abspath(name)
+    spec = importlib.util.find_spec("maxtext")
+    if spec is None or not spec.submodule_search_locations:
+        raise RkitError("MaxText is not installed in the training environment; run `make setup` "
+                        "(or use an image that has it).")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "configs" / name
+        if candidate.is_file():
+            return str(candidate)
+    raise RkitError(f"trainer.base_config: {name!r} is neither a file nor a config shipped with MaxText "
+                    f"(looked in {', '.join(spec.submodule_search_locations)}/configs).")
+
+
+def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
+    """In the training environment, before MaxText's train.main. Two hooks on the loop's per-step calls:
+
+    - `on_step(step)` runs in the loop's own thread once each training step is dispatched, its save (if due)
+      started and its metrics buffered: fault injections fire there, at exactly their step (fired from a
+      thread that follows the metrics file, they came whole steps late, and a short run could finish first).
+    - MaxText raises StopTraining inside the loop's `maybe_save_checkpoint` at the preemption sync point,
+      before that step's metrics are buffered, so the step the save ends on had no metrics line. The raise is
+      deferred until the step's train metrics are buffered; MaxText's final flush then writes them (an eval
+      due at that step still runs first)."""
+    from maxtext.common import checkpointing, metric_logger
+    from maxtext.utils import exceptions
+
+    if getattr(checkpointing.maybe_save_checkpoint, "rkit_hooked", False):
+        return
+    pending: list[BaseException] = []
+    save, buffer = checkpointing.maybe_save_checkpoint, metric_logger.MetricLogger.buffer_and_write_metrics
+
+    def maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step=None):
+        try:
+            return save(checkpoint_manager, state, config, data_iterator, step)
+        except exceptions.StopTraining as exc:
+            if step is None:  # the save after the loop: no step's metrics follow
+                raise
+            pending.append(exc)
+            return None
+
+    def buffer_and_write_metrics(self, metrics, step, step_time_delta=None, is_training=True):
+        buffer(self, metrics, step, step_time_delta, is_training)
+        if not is_training:
+            return
+        on_step(int(step))
+        if pending:
+            raise pending.pop()
+
+    maybe_save_checkpoint.rkit_hooked = True  # type: ignore[attr-defined]
+    checkpointing.maybe_save_checkpoint = maybe_save_checkpoint
+    metric_logger.MetricLogger.buffer_and_write_metrics = buffer_and_write_metrics
+
+
+def route_tensorboard(run: RunDir) -> None:
+    """In the training environment, before MaxText's train.main: MaxText's TensorBoard summaries go to
+    <run>/tensorboard/ (`tensorboard --logdir runs/` shows one line per run, every attempt of it on one
+    curve), not to the tensorboard_dir MaxText derives from base_output_directory and run_name
+    (<run>/checkpoints/tensorboard/checkpoints/). MaxText's own switch, enable_tensorboard, still decides
+    whether anything is written; its Vertex AI upload is not touched. Its text summaries are redacted."""
+    from maxtext.utils import max_utils
+
+    if getattr(max_utils.initialize_summary_writer, "rkit_hooked", False):
+        return
+    initialize = max_utils.initialize_summary_writer
+
+    def initialize_summary_writer(tensorboard_dir, run_name, enable_tensorboard=True):
+        # MaxText joins the two: <run>/tensorboard
+        return initialize(str(run.path.resolve()), run.tensorboard_dir.name, enable_tensorboard)
+
+    add_text = max_utils.add_text_to_summary_writer
+    # MaxText writes its whole config as text summaries, hf_access_token (read from HF_TOKEN) included: the run
+    # directory holds no secret, so a secret-named key's value, a URL's password, a private key block and the
+    # value of any secret-named variable of this process are replaced, as in every manifest (stamp.redact).
+    planted = sorted({v for k, v in os.environ.items() if is_secret_name(k) and len(v) >= 4}, key=len, reverse=True)
+
+    def add_text_to_summary_writer(key, value, summary_writer):
+        text = REDACTED if is_secret_name(str(key)) else redact_value(str(value), REDACTED)
+        for secret in planted:
+            text = text.replace(secret, REDACTED)
+        return add_text(key, text, summary_writer)
+
+    initialize_summary_writer.rkit_hooked = True  # type: ignore[attr-defined]
+    max_utils.initialize_summary_writer = initialize_summary_writer
+    max_utils.add_text_to_summary_writer = add_text_to_summary_writer
+
+
+def after_initialize(then: Callable[[], None]) -> None:
+    """In the training environment, before MaxText's train.main: `then()` runs right after MaxText's
+    train.initialize (which sets JAX's default PRNG to unsafe_rbg) and before the model is built."""
+    from maxtext.trainers.pre_train import train
+
+    if getattr(train.initialize, "rkit_hooked", False):
+        return
+    initialize = train.initialize
+
+    def initialize_then(argv):
+        out = initialize(argv)
+        then()
+        return out
+
+    initialize_then.rkit_hooked = True  # type: ignore[attr-defined]
+    train.initialize = initialize_then
+
