@@ -94,3 +94,38 @@ def test_maxtexts_tensorboard_summaries_go_to_the_run_directory(tmp_path: Path, 
     assert not (tmp_path / "elsewhere").exists()
     off = max_utils.initialize_summary_writer(str(tmp_path / "elsewhere"), "checkpoints", False)
     assert type(off).__name__ == "StubSummaryWriter"  # enable_tensorboard: false still writes nothing
+
+
+# The image side before it had folders (an image built by rkit before contract/ and runtime/): its files, flat.
+FLAT_IMAGE_SIDE = ("__init__.py", "agent.py", "config.py", "debianlock.py", "defaults.py", "determinism.py",
+                   "devices.py", "envscan.py", "errors.py", "heartbeat.py", "imageinfo.py", "inject.py", "manifest.py",
+                   "rundir.py", "safeio.py", "schema/recipe.schema.json", "stamp.py", "standby.py",
+                   "telemetry/__init__.py", "telemetry/metrics.py", "telemetry/node.py", "telemetry/health.py",
+                   "telemetry/gpu.py", "telemetry/exporter.py", "telemetry/exposure.py", "trainers/__init__.py",
+                   "trainers/maxtext.py")
+
+
+def probe_tree(site: Path) -> str | None:
+    """What the image's probe (run here, as the image's Python would) says of the rkit found on `site`."""
+    import json
+
+    # -S: no site-packages (this venv's own rkit stays out of sight); PYTHONPATH: the image's rkit.
+    done = subprocess.run([sys.executable, "-S", "-c", imageagent.PROBE, json.dumps(image_side_files())],
+                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])["rkit_agent_sha256"]
+
+
+def test_an_image_whose_rkit_predates_the_folders_runs_the_bound_agent_and_this_rkits_own_runs_its_own(
+        tmp_path: Path):
+    old = tmp_path / "old"
+    for name in FLAT_IMAGE_SIDE:
+        (old / "rkit" / name).parent.mkdir(parents=True, exist_ok=True)
+        (old / "rkit" / name).write_text("# rkit's image side before contract/ and runtime/\n")
+    assert probe_tree(old) is None  # not this rkit's agent: the launchers put the bound copy first
+    (tmp_path / "run").mkdir()
+    current = imageagent.install(tmp_path / "run")  # the same files as this rkit's image side
+    assert probe_tree(current) == sha256_tree(PACKAGE)
+    (current / "rkit" / "runtime" / "agent.py").write_text("# another agent\n")
+    assert probe_tree(current) not in (None, sha256_tree(PACKAGE))

@@ -9,6 +9,7 @@ import pytest
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir
 from rkit.contract.stamp import is_secret_name
+from rkit.readers import diff
 from rkit.runtime import manifest
 from rkit.runtime.inject import parse_injection, parse_injections, pending
 from rkit.runtime.telemetry.metrics import MetricsTail, enrich, merged, peak_tflops, ranks, repair_tail
@@ -175,11 +176,11 @@ def test_committed_steps_skip_temporary_and_uncommitted(tmp_path: Path):
 def test_diff_views_groups_and_identity():
     a = {"config": {"x": 1}, "packages": {"jax": "1"}, "run": {"name": "a"}}
     b = {"config": {"x": 2}, "packages": {"jax": "1"}, "run": {"name": "b"}}
-    result = manifest.diff_views(a, b)
+    result = diff.diff_views(a, b)
     assert not result["identical"]
     assert result["groups"]["config"] == [{"key": "x", "a": 1, "b": 2}]
     assert "packages" not in result["groups"] and result["groups"]["run"][0]["key"] == "name"
-    same = manifest.diff_views(a, dict(a, run={"name": "c"}))
+    same = diff.diff_views(a, dict(a, run={"name": "c"}))
     assert same["identical"] and list(same["groups"]) == ["run"]
 
 

@@ -20,7 +20,7 @@ from rkit.contract.rundir import RunDir
 # for the order and writes it to order-<task>.json beside its step's logs.
 FAKE_SRUN = """#!{python}
 import json, os, socket, sys, threading
-from rkit import standby
+from rkit.runtime import standby
 if os.environ.get("FAKE") == "die":
     sys.exit(1)
 host, _, port = os.environ["RKIT_STANDBY_ADDRESS"].rpartition(":")
