@@ -6,6 +6,7 @@ tests/unit/test_module_table.py fails while the page is stale."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -25,9 +26,10 @@ def first_sentence(text: str) -> str:
 
 def render() -> str:
     out = ["# Modules", "",
-           "Generated from the package's tree by `python3 ci/module_table.py > docs/modules.md` (`make module-table`);",
-           "`tests/unit/test_module_table.py` fails while this page is stale. The image side is `launch/rkit/__init__.py`",
-           "with `contract/` and `runtime/`: the image cache key and the agent rkit binds into images that lack it.", ""]
+           "Generated from the package's tree by `python3 ci/module_table.py > docs/modules.md`",
+           "(`make module-table`); `tests/unit/test_module_table.py` fails while this page is stale. The image side",
+           "is `launch/rkit/__init__.py` with `contract/` and `runtime/`: the image cache key and the agent rkit",
+           "binds into images that lack it.", ""]
     folders = sorted({p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts},
                      key=lambda p: p.relative_to(PACKAGE).parts)
     for folder in folders:
@@ -43,6 +45,15 @@ def render() -> str:
                 continue
             out.append(f"| `{path.name}` | {first_sentence(docstring(path)).replace('|', '/')} |")
         out.append("")
+    out += ["## `RKIT_*` environment variables", "",
+            "From `launch/rkit/contract/envvars.py` (tests/unit/test_envvars.py: every name the package uses is",
+            "there).",
+            "", "| variable | set by | read by | holds |", "|---|---|---|---|"]
+    spec = importlib.util.spec_from_file_location("rkit_envvars_table", PACKAGE / "contract" / "envvars.py")
+    envvars = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = envvars  # dataclasses look their module up
+    spec.loader.exec_module(envvars)
+    out += [f"| `{v.name}` | {v.set_by} | {v.read_by} | {v.holds} |" for v in envvars.VARIABLES]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

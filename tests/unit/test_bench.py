@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rkit.contract.errors import RkitError
-from rkit.readers import bench, compare, outcome
+from rkit.readers import bench, bench_history, compare, outcome
 from rkit.runtime import determinism
 
 from .test_compare import LOSSES, record
@@ -199,20 +199,20 @@ def test_history_names_its_units_and_the_saved_names(tmp_path: Path, monkeypatch
     store = bench.storage(tmp_path / "s")
     for name, median in (("base", 0.05), ("new-image", 0.07)):
         bench.save(store, name, saved_result(tmp_path, name, median, seed=1))
-    points = bench.history_points(store, "step_time")
-    table = bench.render_history(points, "step_time").splitlines()
+    points = bench_history.history_points(store, "step_time")
+    table = bench_history.render_history(points, "step_time").splitlines()
     assert table[0] == "step time:" and table[1].split()[:5] == ["RESULT", "NAME", "IMAGE", "MEDIAN", "(ms)"]
     assert "95% INTERVAL (ms)" in table[1]
     assert table[2].split()[:3] == ["0001", "base", "abababababab"] and 45 < float(table[2].split()[3]) < 55
     assert table[3].split()[:2] == ["0002", "new-image"]
-    rss = bench.render_history(bench.history_points(store, "host_rss"), "host_rss").splitlines()
+    rss = bench_history.render_history(bench_history.history_points(store, "host_rss"), "host_rss").splitlines()
     assert "MEDIAN (MiB)" in rss[1] and float(rss[2].split()[3]) == 1024
     from rkit.readers import report
 
     seen = {}
     monkeypatch.setattr(report, "save_png", lambda fig, path: seen.update(
         ylabel=fig.axes[0].get_ylabel(), ticks=[t.get_text() for t in fig.axes[0].get_xticklabels()]))
-    bench.plot_history(points, "step_time", tmp_path / "h.png")
+    bench_history.plot_history(points, "step_time", tmp_path / "h.png")
     assert seen["ylabel"] == "step time (ms)"
     assert seen["ticks"] == ["0001 base\nabababababab", "0002 new-image\nabababababab"]
 

@@ -54,7 +54,7 @@ def test_base_definition_is_the_cpu_one_with_setuptools_alone():
     assert base == {req: cpu[req] for req in base}
     assert BASES["base"] == {**BASES["cpu"], "mirror": BASES["base"]["mirror"]}
     assert definition_lines("base")[:4] == definition_lines("cpu")[:4]  # the same dated mirror by default
-    from rkit import cli
+    from rkit.cli import images as cli
 
     assert set(cli.image_build.params[0].type.choices) == set(FLAVORS)
 

@@ -13,6 +13,7 @@ from rkit.contract.rundir import PlantedLink, RunDir, write_json_atomic
 from rkit.recipe.load import load_recipe
 from rkit.run import runner
 from rkit.run.lock import RunLock
+from rkit.run.plan import plan
 
 from ..conftest import TINY
 
@@ -31,7 +32,7 @@ def modes(root: Path) -> dict[str, int]:
 @pytest.mark.parametrize("access,dirs,files", [("private", 0o700, 0o600), ("group", 0o750, 0o640)])
 def test_the_run_directory_gets_its_access_modes_under_umask_000(tmp_path, umask_000, access, dirs, files):
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=m", f"access={access}"])
-    with runner.open_run(recipe, resume=False, injections=[]) as (run, _lock):
+    with runner.open_run(plan(recipe, resume=False, injections=[])) as (run, _lock):
         run.emit("test.event")
         run.attempt_dir(1).mkdir(parents=True)
         write_json_atomic(run.attempt_dir(1) / "attempt.json", {"a": 1})
@@ -77,7 +78,7 @@ def test_temp_files_of_atomic_writes_have_unique_names(tmp_path):
                                      "tensorboard", "agent", "standby"])
 def test_a_link_planted_as_a_directory_stops_a_resume_before_any_write(tmp_path, planted, cli):
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=p"])
-    with runner.open_run(recipe, resume=False, injections=[]) as (run, _lock):
+    with runner.open_run(plan(recipe, resume=False, injections=[])) as (run, _lock):
         run.attempt_dir(1).mkdir(parents=True)
         (run.attempt_dir(1) / "env").mkdir()
     elsewhere = tmp_path / "elsewhere"
@@ -88,7 +89,7 @@ def test_a_link_planted_as_a_directory_stops_a_resume_before_any_write(tmp_path,
     target.symlink_to(elsewhere, target_is_directory=True)
     before = run.events_file.read_bytes()
     with pytest.raises(PlantedLink, match=f"{planted}: is a symbolic link"):
-        with runner.open_run(recipe, resume=True, injections=[]):
+        with runner.open_run(plan(recipe, resume=True, injections=[])):
             pass
     assert run.events_file.read_bytes() == before and list(elsewhere.iterdir()) == []
     done = cli("report", str(run.path), check=2)
@@ -144,7 +145,7 @@ def test_a_file_link_where_rkit_or_a_rank_writes_is_one_diagnosis_before_an_atte
     from rkit.run import preflight
 
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=f"])
-    with runner.open_run(recipe, resume=False, injections=[]) as (run, _lock):
+    with runner.open_run(plan(recipe, resume=False, injections=[])) as (run, _lock):
         for d in (run.attempt_dir(1), run.metrics_dir, run.telemetry_dir):
             d.mkdir(parents=True, exist_ok=True)
     victim = tmp_path / "victim.jsonl"
@@ -152,7 +153,7 @@ def test_a_file_link_where_rkit_or_a_rank_writes_is_one_diagnosis_before_an_atte
     (run.path / planted).unlink(missing_ok=True)
     (run.path / planted).symlink_to(victim)
     with pytest.raises(PlantedLink, match=f"{planted}: is a symbolic link"):
-        with runner.open_run(recipe, resume=True, injections=[]):
+        with runner.open_run(plan(recipe, resume=True, injections=[])):
             pass
     if planted != "events.jsonl":  # before each attempt of a live supervisor too: a stop that names it
         with pytest.raises(RkitError, match=f"planted link before attempt 2: .*{planted} is a symbolic link"):
@@ -163,7 +164,7 @@ def test_a_file_link_where_rkit_or_a_rank_writes_is_one_diagnosis_before_an_atte
 
 def test_resume_restores_the_modes_of_what_rkit_owns_and_names_what_another_user_owns(tmp_path, capsys):
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=r"])
-    with runner.open_run(recipe, resume=False, injections=[]) as (run, _lock):
+    with runner.open_run(plan(recipe, resume=False, injections=[])) as (run, _lock):
         run.attempt_dir(1).mkdir(parents=True)
         write_json_atomic(run.attempt_dir(1) / "attempt.json", {"a": 1})
     for p in [run.attempts_dir, run.attempt_dir(1), run.attempt_dir(1) / "attempt.json", run.resolved]:
@@ -173,7 +174,7 @@ def test_resume_restores_the_modes_of_what_rkit_owns_and_names_what_another_user
     if os.geteuid() == 0:
         os.chown(theirs, 4242, 4242)
     capsys.readouterr()
-    with runner.open_run(recipe, resume=True, injections=[]):
+    with runner.open_run(plan(recipe, resume=True, injections=[])):
         pass
     err = capsys.readouterr().err
     found = modes(run.path)

@@ -1,7 +1,10 @@
 """The backend interface: how the processes of one attempt are started, watched and stopped.
 
 A backend renders a printable request (`prepare`, pure), starts it (`submit`) and answers about the returned
-handle. Both backends (local.py, slurm.py) implement `Backend`; the supervisor knows only this module. Also
+handle: `Backend[RequestT, HandleT]` is generic over the two (local: LaunchRequest, LocalAttempt; Slurm:
+StepRequest, StepHandle), and the warm standbys and node liveness it may hold are typed by what the supervisor
+asks of them. Both launchers (local/launcher.py, slurm/launcher.py) implement it; the supervisor knows only this
+module. Also
 the one wait both backends' stack dumps share (`wait_for_dump`).
 """
 
@@ -9,9 +12,10 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 
 def wait_for_dump(path: Path, before: int, deadline: float = 2.0, settle: float = 0.03) -> bool:
@@ -88,36 +92,66 @@ class Handle:
         raise NotImplementedError
 
 
-class Backend(Protocol):
+class Standbys(Protocol):
+    """Warm standbys (local/standby.py, slurm/standby.py): processes that have done an attempt's imports."""
+
+    def fill(self) -> None:
+        """Start the standbys that are missing (once the live attempt trains)."""
+        ...
+
+    def check(self) -> list[dict[str, Any]]:
+        """What happened to them since the last call (started, ready, died, replaced, off): standby events."""
+        ...
+
+    def dismiss(self) -> None: ...
+
+
+class Liveness(Protocol):
+    """Node liveness (run/liveness.py's NodeLiveness): heartbeats, suspicion and probes of an attempt's nodes."""
+
+    def watch(self, attempt: int, nodes: list[str], tasks_per_node: int) -> None: ...
+
+    def check(self, progress: Mapping[int, float]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """This pass's liveness events, and the nodes confirmed dead with why."""
+        ...
+
+    def close(self) -> None: ...
+
+
+RequestT = TypeVar("RequestT", bound=Request)
+HandleT = TypeVar("HandleT", bound=Handle)
+
+
+class Backend(Protocol[RequestT, HandleT]):
     name: str
     exclude: list[str]  # nodes kept out of every later attempt (always empty where nodes cannot be chosen)
-    standby: Any  # a StandbyPool (backends/standby.py) where warm standbys are on, else None
-    liveness: Any  # a NodeLiveness (liveness.py) where nodes can die apart from the supervisor's, else None
+    standby: Standbys | None  # where warm standbys are on
+    liveness: Liveness | None  # where nodes can die apart from the supervisor's (Slurm)
 
     def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
                 attempt_dir: Path, cwd: Path, port: int | None = None,
-                host_env: dict[str, str] | None = None) -> Request:
+                host_env: dict[str, str] | None = None) -> RequestT:
         """Pure: the launch of one attempt. Raises NotEnoughNodes when too few healthy nodes are left."""
         ...
 
-    def submit(self, request: Any) -> Handle: ...
+    def submit(self, request: RequestT) -> HandleT: ...
 
-    def poll(self, handle: Any) -> dict[int, RankExit]:
+    def poll(self, handle: HandleT) -> dict[int, RankExit]:
         """Ranks that have exited so far (in the order noticed)."""
         ...
 
-    def running(self, handle: Any) -> list[int]: ...
+    def running(self, handle: HandleT) -> list[int]: ...
 
-    def request_save(self, handle: Any) -> None:
+    def request_save(self, handle: HandleT) -> None:
         """Ask every rank to save and stop (JAX's preemption path); returns at once."""
         ...
 
-    def stop(self, handle: Any, grace: float) -> None:
+    def stop(self, handle: HandleT, grace: float) -> None:
         """Idempotent: SIGTERM, up to `grace` seconds, then SIGKILL; every process reaped (a launcher that waits
         for a node in `handle.failed_nodes` is not waited for)."""
         ...
 
-    def nodes(self, handle: Any) -> list[str]: ...
+    def nodes(self, handle: HandleT) -> list[str]: ...
 
     def healthy_nodes(self) -> list[str]:
         """Nodes a next attempt may use."""
@@ -133,14 +167,14 @@ class Backend(Protocol):
         (gpu_health.py), and why the check could not be made (None when it was)."""
         ...
 
-    def down_nodes(self, handle: Any) -> list[str]:
+    def down_nodes(self, handle: HandleT) -> list[str]:
         """Nodes of the attempt that the scheduler considers dead now."""
         ...
 
-    def stopped_ranks(self, handle: Any) -> list[int]:
+    def stopped_ranks(self, handle: HandleT) -> list[int]:
         """Live ranks in the stopped state (SIGSTOP, a debugger): hung for sure."""
         ...
 
-    def dump_stacks(self, handle: Any, out_dir: Path, stopped: list[int]) -> str:
+    def dump_stacks(self, handle: HandleT, out_dir: Path, stopped: list[int]) -> str:
         """Every live rank's Python stacks into `out_dir`; returns how."""
         ...

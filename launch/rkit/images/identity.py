@@ -18,11 +18,11 @@ from rkit.images.store import (
     FLAVORS,
     GPU_FLAGS,
     LABEL_PREFIX,
-    _require_file,
     apptainer,
     bases,
     cache_dir,
     labels,
+    require_file,
     sha256_file,
 )
 
@@ -127,7 +127,7 @@ def locate(reference: str, want_sha256: str | None = None) -> Path | None:
     apptainer()  # missing apptainer: say so before anything is created
     if reference in FLAVORS:
         return resolve_flavor(reference, want_sha256).resolve()
-    return _require_file(Path(reference).expanduser()).resolve()
+    return require_file(Path(reference).expanduser()).resolve()
 
 
 def identify(reference: str, path: Path, sha256: str | None = None) -> ImageIdentity:

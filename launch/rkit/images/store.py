@@ -120,7 +120,7 @@ def image_info(path: Path) -> dict[str, Any]:
         raise
 
 
-def _require_file(path: Path) -> Path:
+def require_file(path: Path) -> Path:
     if not path.is_file():
         raise RkitError(f"{path}: no such image file. Build one with `make image FLAVOR=cpu` "
                         "(or `rkit image build cpu`), or give the path of a SIF.")
@@ -128,7 +128,7 @@ def _require_file(path: Path) -> Path:
 
 
 def inspect(path: Path) -> dict[str, Any]:
-    path = _require_file(path)
+    path = require_file(path)
     found = labels(path)
     info = image_info(path)
     return {"path": str(path.resolve()), "sha256": sha256_file(path), "size_bytes": path.stat().st_size,
@@ -140,7 +140,7 @@ def inspect(path: Path) -> dict[str, Any]:
 
 def verify(path: Path, expect: str) -> str:
     """Raise unless the SIF's sha256 is `expect`; return it."""
-    found = sha256_file(_require_file(path))
+    found = sha256_file(require_file(path))
     expected = expect if expect.startswith("sha256:") else f"sha256:{expect}"
     if found != expected:
         raise RkitError(f"{path}: image digest mismatch: expected {expected}, found {found}. The file was rebuilt "

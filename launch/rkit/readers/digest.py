@@ -30,10 +30,10 @@ import numpy as np
 
 from rkit.contract.rundir import RunDir, valid_event
 from rkit.contract.safeio import MAX_LINE_BYTES, objects, open_regular, private_dir
-from rkit.readers import goodput
+from rkit.readers import goodput_events
 from rkit.runtime.telemetry import metrics
 
-# 2: goodput's start-up in parts (EventFold.agents); 3: its restore (_Attempt.restore); 4: detection;
+# 2: goodput's start-up in parts (EventFold.agents); 3: its restore (AttemptTimes.restore); 4: detection;
 # 5: injections without a spec
 VERSION = 5
 SIGNATURE_BYTES = 4096
@@ -164,7 +164,7 @@ class MetricsDigest(_Digest):
     columns: dict[str, np.ndarray] = field(default_factory=lambda: _empty())
     legacy: bool = False
     period: int | None = None
-    summaries: dict[int, goodput.AttemptSteps] = field(default_factory=dict)
+    summaries: dict[int, goodput_events.AttemptSteps] = field(default_factory=dict)
 
     def refresh(self, path: Path, rank: int) -> MetricsDigest:
         def restart() -> None:
@@ -222,7 +222,7 @@ class MetricsDigest(_Digest):
         """Steps trained more than once (the merged view's `recomputed`)."""
         return int(len(np.unique(self.columns["step"][self.columns["recomputed"]])))
 
-    def attempt_steps(self, period: int | None) -> dict[int, goodput.AttemptSteps]:
+    def attempt_steps(self, period: int | None) -> dict[int, goodput_events.AttemptSteps]:
         """goodput.attempt_steps of these lines (one rank's, all timed), from the columns; the attempts whose
         lines did not change since the last call are not computed again."""
         if period != self.period:
@@ -250,8 +250,8 @@ def _seen_before(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     return earlier | seen[new - low]
 
 
-def _summaries(c: dict[str, np.ndarray], period: int | None) -> dict[int, goodput.AttemptSteps]:
-    """goodput.AttemptSteps per attempt of timed lines in file order, vectorized over attempts: the step times
+def _summaries(c: dict[str, np.ndarray], period: int | None) -> dict[int, goodput_events.AttemptSteps]:
+    """goodput_events.AttemptSteps per attempt of timed lines in file order, vectorized over attempts: the step times
     are the gaps between an attempt's consecutive lines, split by goodput._step_shares's rule."""
     order = np.argsort(c["attempt"], kind="stable")  # an attempt's lines keep their file order
     attempt, t, step, recomputed = (c[k][order] for k in ("attempt", "t", "step", "recomputed"))
@@ -280,7 +280,7 @@ def _summaries(c: dict[str, np.ndarray], period: int | None) -> dict[int, goodpu
     first = np.full(groups, np.nan)
     hit, where = np.unique(group[nonzero], return_index=True)
     first[hit] = t[nonzero[where]]
-    return {int(attempt[starts[g]]): goodput.AttemptSteps(
+    return {int(attempt[starts[g]]): goodput_events.AttemptSteps(
         first_t=_none(first[g]), last_timed_t=float(newest[g]), newest_t=float(newest[g]),
         shares={k: float(sums[k][g]) for k in ("productive", "checkpoint", "recompute")}) for g in range(groups)}
 
@@ -383,7 +383,7 @@ class RunDigest:
                     return MetricsDigest()
                 columns = {k: npz[k] for k in COLUMNS}
             mark = Mark(**meta["mark"])
-            summaries = {int(a): goodput.AttemptSteps(**v) for a, v in meta["summaries"].items()}
+            summaries = {int(a): goodput_events.AttemptSteps(**v) for a, v in meta["summaries"].items()}
             return MetricsDigest(mark=mark, saved_offset=mark.offset, columns=columns, legacy=bool(meta["legacy"]),
                                  period=meta["period"], summaries=summaries)
         except Exception:  # noqa: BLE001 - likewise

@@ -11,7 +11,7 @@ from typing import Any
 
 from rkit.contract.config import Config
 from rkit.contract.rundir import EV, RunDir, last_jsonl
-from rkit.readers import goodput
+from rkit.readers import goodput, goodput_events
 from rkit.readers.digest import RunDigest
 from rkit.readers.display import TOP, more, num, progress, render_goodput, render_watch, top
 from rkit.run.policy import FINAL_EVENTS, RunState
@@ -24,11 +24,11 @@ SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "
 
 
 @dataclass
-class StatusFold(goodput.Fold):
+class StatusFold(goodput_events.Fold):
     """What `rkit status` reads of the events, folded in one event at a time (`feed`): rkit.readers.digest keeps one per
     run, so a call reads only the events appended since the last; `StatusFold.of(events)` for events in hand."""
 
-    goodput: goodput.EventFold = field(default_factory=goodput.EventFold)
+    goodput: goodput_events.EventFold = field(default_factory=goodput_events.EventFold)
     count: int = 0
     last: dict | None = None
     word: dict | None = None  # the newest final word, run.submitted or run.resumed (run_state)
@@ -158,7 +158,7 @@ def run_state(run: RunDir, events: list[dict] | StatusFold, slurm: dict[str, Any
 
 
 def _steps_from_digest(digest: RunDigest, fold: StatusFold, period: int | None
-                       ) -> tuple[list[dict[str, Any]], int, dict[int, goodput.AttemptSteps]] | None:
+                       ) -> tuple[list[dict[str, Any]], int, dict[int, goodput_events.AttemptSteps]] | None:
     """The merged view's newest 20 steps, the count of recomputed steps and goodput's AttemptSteps from rank 0's
     digest; None when it cannot stand in for the lines (legacy lines, or an attempt that stepped without rank 0:
     goodput then reads every rank)."""

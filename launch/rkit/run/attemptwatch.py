@@ -29,7 +29,7 @@ class Watcher(Protocol):
     run: RunDir
     config: Config
     poll_seconds: float
-    _step_times: list[float]
+    step_times: list[float]
     clock: Callable[[], float]
     on_progress: Callable[[Progress], None]
 
@@ -105,7 +105,7 @@ class AttemptWatch:
     def __post_init__(self) -> None:
         sup = self.sup
         self.hang = HangWatch(HangPolicy.from_config(sup.config), ranks=list(self.tails), started=sup.clock(),
-                              step_times=sup._step_times)
+                              step_times=sup.step_times)
         factor = float(sup.config.observability.straggler_factor)
         self.stragglers = StragglerWatch(sup.run, self.attempt, factor, sup.clock)
         # Its own clock: how often the logs are read is about I/O, not policy (a hang forces a read anyway).

@@ -23,6 +23,21 @@ class RunLock:
     def of(cls, run: RunDir) -> RunLock:
         return cls(run.path / LOCK)
 
+    def in_use(self, holder: str) -> RkitError:
+        return RkitError(f"{self.path.parent}: this run is in use by {holder}. Wait for it to end "
+                         f"(rkit status {self.path.parent}) or stop it first; two writers would corrupt it.")
+
+    @classmethod
+    def refuse_if_held(cls, run: RunDir) -> None:
+        """Planning reads the run: refused, as taking the lock would be, while a writer holds it."""
+        if run.is_locked():
+            lock = cls.of(run)
+            try:
+                holder = lock.path.read_text(encoding="utf-8", errors="replace").strip()[:200]
+            except OSError:
+                holder = ""
+            raise lock.in_use(holder or "another process")
+
     def acquire(self) -> RunLock:
         fh = os.fdopen(open_for_writing(self.path, os.O_RDWR | os.O_CREAT), "r+")
         try:
@@ -31,9 +46,7 @@ class RunLock:
             fh.seek(0)
             holder = fh.read().strip() or "another process"
             fh.close()
-            raise RkitError(f"{self.path.parent}: this run is in use by {holder}. Wait for it to end "
-                            f"(rkit status {self.path.parent}) or stop it first; two writers would corrupt it."
-                            ) from None
+            raise self.in_use(holder) from None
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

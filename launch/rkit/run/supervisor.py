@@ -6,7 +6,6 @@ tested exhaustively; `Supervisor` does the I/O: the backend, the run directory's
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -14,13 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit, Request
 from rkit.contract.config import Config
-from rkit.contract.rundir import EV, UMASK_ENV, RunDir, umask_for, write_json_atomic
+from rkit.contract.rundir import EV, RunDir, write_json_atomic
 from rkit.images.identity import ImageIdentity
 from rkit.readers import outcome as run_outcome
 from rkit.run import preflight
+from rkit.run.attempt import attempt_request
 from rkit.run.attemptrecord import close_record, refuse_if_alive, started_at
 from rkit.run.attemptwatch import AttemptWatch
 from rkit.run.oomkills import OomWatch
@@ -42,7 +43,6 @@ from rkit.run.policy import (
     tally_from_events,
 )
 from rkit.run.tbmarks import mark_restart
-from rkit.runtime import devices
 from rkit.runtime.inject import Injection, pending
 from rkit.runtime.telemetry.metrics import MetricsTail, repair_tail
 from rkit.runtime.trainers import maxtext
@@ -53,7 +53,7 @@ class Supervisor:
     run: RunDir
     config: Config
     injections: list[Injection]
-    backend: Backend
+    backend: Backend[Any, Any]
     base_env: dict[str, str]
     jax_cache_dir: str
     host_env: dict[str, str] = field(default_factory=dict)
@@ -61,9 +61,10 @@ class Supervisor:
     on_progress: Callable[[Progress], None] = lambda p: None
     poll_seconds: float = 0.1
     clock: Callable[[], float] = time.monotonic
+    planned: tuple[int, list[int], Request] | None = None  # the plan's first attempt: (number, injections, request)
     _interrupted: bool = field(default=False, init=False)
     _preempt: str | None = field(default=None, init=False)
-    _step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
+    step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
 
     # ------------------------------------------------------------ signals
 
@@ -78,18 +79,13 @@ class Supervisor:
         return list(self.backend.exclude)
 
     def launch_request(self, attempt: int, in_trainer: list[Injection], attempt_dir: Path) -> Request:
-        """What the backend will start for this attempt (rkit run --dry-run prints it; nothing is written)."""
-        env = dict(self.base_env)
-        env.update({"RKIT_RUN_DIR": str(self.run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
-                    "RKIT_BASE_CONFIG": self.config.trainer.base_config,
-                    UMASK_ENV: f"{umask_for(self.config.access):03o}",
-                    "RKIT_INJECT": json.dumps([i.as_dict() for i in in_trainer]),
-                    devices.GPUS_ENV: str(self.config.gpus_per_node),
-                    devices.PER_NODE_ENV: str(self.config.resources.processes_per_node),
-                    devices.VENDOR_ENV: devices.vendor_of(self.image.gpu_flags if self.image else ())})
-        args = maxtext.maxtext_overrides(self.config, self.run, self.jax_cache_dir)
-        return self.backend.prepare(attempt=attempt, processes=self.processes, trainer_args=args, base_env=env,
-                                    attempt_dir=attempt_dir, cwd=Path.cwd(), host_env=self.host_env)
+        """What the backend starts for this attempt: the plan's request for the attempt it planned (what
+        `rkit run --dry-run` printed), else one made the same way (attempt_request)."""
+        planned, self.planned = self.planned, None
+        if planned is not None and planned[0] == attempt and planned[1] == [i.index for i in in_trainer]:
+            return planned[2]
+        return attempt_request(self.backend, self.config, self.run, self.image, self.base_env, self.host_env,
+                               self.jax_cache_dir, attempt, in_trainer, attempt_dir)
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self.request_stop)
@@ -423,5 +419,3 @@ class Supervisor:
 
 # The decisions that end the run, and the event that says so.
 FINAL_WORD = {Action.FINISH: EV.RUN_FINISHED, Action.GIVE_UP: EV.RUN_GAVE_UP, Action.STOP: EV.RUN_INTERRUPTED}
-def default_jax_cache_dir() -> str:
-    return os.environ.get("RKIT_JAX_CACHE_DIR") or str(Path.home() / ".cache" / "rkit" / "jax")

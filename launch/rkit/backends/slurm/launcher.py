@@ -21,7 +21,6 @@ from rkit.backends import gpu_health, shared_paths
 from rkit.backends.base import NotEnoughNodes, RankExit, wait_for_dump
 from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's queries, used through this module too
     JOB_ID,
-    _run,
     cancel,
     check_container_launch,
     checked_job_id,
@@ -31,6 +30,7 @@ from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's qu
     job_state,
     node_address,
     requeue,
+    slurm_output,
     slurm_version,
     step_id,
     submitted_job_id,
@@ -331,7 +331,7 @@ class SlurmStepBackend:
     def down_nodes(self, handle: StepHandle) -> list[str]:
         """Nodes of this step that Slurm considers dead (DOWN, FAIL or not responding)."""
         nodes = list(handle.request.nodes)
-        out = _run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"]) if nodes else ""
+        out = slurm_output(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"]) if nodes else ""
         down = []
         for line in out.splitlines():
             name, _, state = line.strip().partition(" ")

@@ -12,7 +12,7 @@ from rkit.contract.rundir import EV
 
 
 def slurm_version() -> tuple[int, int] | None:
-    match = re.search(r"(\d+)\.(\d+)", _run(["sinfo", "--version"]))
+    match = re.search(r"(\d+)\.(\d+)", slurm_output(["sinfo", "--version"]))
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
@@ -26,7 +26,7 @@ def check_container_launch(mode: str) -> None:
                         f"this cluster runs Slurm {version[0]}.{version[1]:02d}. Use container_launch: apptainer.")
 
 
-def _run(argv: list[str], timeout: float = 30) -> str:
+def slurm_output(argv: list[str], timeout: float = 30) -> str:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.SubprocessError):
@@ -41,12 +41,12 @@ def cpus_on_node() -> int | None:
 
 
 def hostnames(nodelist: str) -> list[str]:
-    out = _run(["scontrol", "show", "hostnames", nodelist])
+    out = slurm_output(["scontrol", "show", "hostnames", nodelist])
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def node_address(node: str) -> str:
-    out = _run(["scontrol", "show", "node", node])
+    out = slurm_output(["scontrol", "show", "node", node])
     match = re.search(r"NodeAddr=(\S+)", out)
     return match.group(1) if match else node
 
@@ -72,7 +72,7 @@ def submitted_job_id(events: list[dict], where: str) -> str | None:
 
 def job_state(job_id: str) -> dict[str, str]:
     """State, reason, nodes and restart count of a job as squeue sees it; {} when it left the queue."""
-    out = _run(["squeue", "-h", "-j", checked_job_id(job_id), "-o", "%T|%r|%N|%D"])
+    out = slurm_output(["squeue", "-h", "-j", checked_job_id(job_id), "-o", "%T|%r|%N|%D"])
     if not out.strip():
         return {}
     state, reason, nodes, count = (out.strip().splitlines()[0].split("|") + ["", "", "", ""])[:4]
@@ -103,7 +103,7 @@ def step_id(name: str) -> str | None:
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return None
-    for line in _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"]).splitlines():
+    for line in slurm_output(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"]).splitlines():
         step, _, named = line.partition("|")
         if named.strip() == name:
             return step.split(".")[-1]

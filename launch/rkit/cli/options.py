@@ -1,4 +1,4 @@
-"""Options several commands share, and the checks at the command line's edge (cli.py stays thin)."""
+"""Options several commands share, and the checks at the command line's edge (the cli/ modules stay thin)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,160 @@
+"""`rkit validate`, `run`, `supervise` (inside a Slurm job), `cancel`, `logs`, `reproduce`: the commands that make
+or drive a run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from rkit.cli.options import json_option, limits_options, overrides_option
+from rkit.contract.errors import RecipeError, RkitError
+
+
+@click.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@overrides_option
+@json_option
+def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Check RECIPE against the schema; report every problem with its key and line."""
+    from rkit.recipe.load import load_recipe
+    from rkit.run.plan import validate_maxtext_keys
+
+    try:
+        loaded = load_recipe(recipe, overrides)
+        note = validate_maxtext_keys(loaded)
+    except RecipeError as exc:
+        if as_json:
+            click.echo(json.dumps({"valid": False, "file": exc.source,
+                                   "problems": [p.as_dict() for p in exc.problems]}, indent=2))
+            sys.exit(2)
+        raise
+    if as_json:
+        click.echo(json.dumps({"valid": True, "file": str(recipe), "config_hash": loaded.config_hash,
+                               "resolved": loaded.resolved}, indent=2, sort_keys=True))
+    else:
+        click.echo(f"{recipe}: valid; config hash {loaded.config_hash}")
+    if note:
+        click.echo(f"rkit: {note}", err=True)
+
+
+@click.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@overrides_option
+@click.option("--resume", is_flag=True, help="Continue an existing run of the same name and config.")
+@click.option("--inject", "injects", multiple=True, metavar="SPEC",
+              help="Inject a fault: kill:rank=R,step=S | exit:rank=R,step=S[,code=C] | hang:rank=R,step=S "
+                   "| sigterm:step=S (add ,repeat=true to fire every attempt).")
+@click.option("--quiet", is_flag=True, help="No live progress display.")
+@click.option("--wait", is_flag=True, help="launcher: slurm: follow the job until the run ends.")
+@click.option("--dry-run", is_flag=True, help="Print the plan `rkit run` executes: the sbatch script (Slurm) or "
+              "the first attempt's command lines and the variables rkit sets (local); write nothing, start nothing.")
+def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
+        wait: bool, dry_run: bool) -> None:
+    """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
+    from rkit.readers import status as run_status
+    from rkit.readers.display import live_progress
+    from rkit.recipe.load import load_recipe
+    from rkit.run import runner
+    from rkit.run.policy import RunState
+    from rkit.runtime.inject import parse_injections
+
+    loaded = load_recipe(recipe, overrides)
+    injections = parse_injections(injects, loaded.processes, loaded.total_steps)
+    if dry_run:
+        click.echo(runner.dry_run(loaded, injections, resume=resume))
+        return
+    with live_progress(enabled=not quiet and loaded.config.launcher == "local",
+                       total=loaded.total_steps) as on_progress:
+        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)
+    if state is RunState.PENDING:
+        click.echo(f"rkit: submitted {run_dir.path} as Slurm job {runner.slurm_job(run_dir)}; "
+                   f"follow it with: rkit status {run_dir.path}")
+        if not wait:
+            return
+        state = run_status.follow(run_dir, echo=click.echo)
+    click.echo(run_status.render_status(run_status.status(run_dir)))
+    if state in (RunState.GAVE_UP, RunState.INTERRUPTED):  # the user's own command, their -o options included
+        click.echo(f"rkit: continue it with: {loaded.command('--resume')}")
+    sys.exit(state.exit_code())
+
+
+@click.command(hidden=True)
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def supervise(run_dir: Path) -> None:
+    """(Inside a Slurm batch job) run RUN's attempts as job steps."""
+    from rkit.run import runner
+    from rkit.run.policy import RunState
+
+    state = runner.supervise(run_dir)
+    sys.exit(0 if state is RunState.REQUEUED else state.exit_code())  # requeued: the batch job ends cleanly
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def cancel(run_dir: Path) -> None:
+    """Cancel RUN's Slurm job (scancel); the run stays resumable with `rkit run RECIPE --resume`."""
+    from rkit.backends.slurm import launcher as slurm
+    from rkit.contract.rundir import EV, RunDir
+    from rkit.run import runner
+
+    run = RunDir(run_dir).require()
+    job = runner.slurm_job(run)
+    if not job:
+        raise RkitError(f"{run_dir}: this run was never submitted to Slurm; stop a local run with Ctrl-C.")
+    run.emit(EV.JOB_CANCEL_REQUESTED, job_id=job)
+    ok = slurm.cancel(job)
+    click.echo(f"rkit: {'cancelled' if ok else 'could not cancel'} Slurm job {job}")
+    sys.exit(0 if ok else 1)
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--rank", type=int, default=0, show_default=True, help="Whose log: the process's rank (from 0).")
+@click.option("--attempt", type=int, default=None, help="Default: the newest.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
+def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
+    """Print one process's log of one attempt."""
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import status as run_status
+
+    run_status.print_log(RunDir(run_dir).require(), rank=rank, attempt=attempt, follow=follow, echo=click.echo)
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--name", help="Name of the new run (default: <name>-reproduce, next to RUN).")
+@click.option("--allow-drift", is_flag=True, help="Run even if the image differs; the drift is recorded.")
+@click.option("--quiet", is_flag=True, help="No live progress display.")
+@limits_options
+def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool, loss_tolerance: float,
+              threshold: float) -> None:
+    """Relaunch RUN with its resolved config and the same image digest, through RUN's own launcher (a Slurm run
+    as a Slurm job, followed to its end), then compare the outcomes as `rkit compare RUN NEW` does: exit 0 when
+    they agree, 1 when they differ. (`rkit diff` compares the inputs.)"""
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import compare as outcomes
+    from rkit.readers import outcome
+    from rkit.readers import status as run_status
+    from rkit.readers.display import live_progress
+    from rkit.run import runner
+    from rkit.run.policy import RunState
+
+    config = RunDir(run_dir).config()
+    with live_progress(enabled=not quiet and config.launcher == "local", total=config.trainer.steps) as progress:
+        new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=progress)
+    if state is RunState.PENDING:
+        click.echo(f"rkit: submitted {new_dir.path} as Slurm job {runner.slurm_job(new_dir)}; following it")
+        state = run_status.follow(new_dir, echo=click.echo)
+    click.echo(run_status.render_status(run_status.status(new_dir)))
+    if state is not RunState.FINISHED:
+        sys.exit(state.exit_code())
+    result = outcomes.compare(outcome.load(run_dir), outcome.load(new_dir.path),
+                              outcomes.Limits(loss_tolerance, threshold))
+    click.echo(outcomes.render(result))
+    sys.exit(0 if result["agree"] else 1)
+
+
+COMMANDS = (validate, run, supervise, cancel, logs, reproduce)

@@ -1,0 +1,230 @@
+"""Plan, then execute. `plan()` works out, by reading only (the recipe, the image and its probe, the run directory
+as it is now), everything `rkit run` (new or `--resume`) and `rkit reproduce` will do: the image, the run directory
+and whether it is new or continued, what a resume changes, the training environment, the container and its binds,
+and the request that starts it: the sbatch argv and batch script (Slurm) or the first attempt's ranks (local).
+`rkit run --dry-run` prints `LaunchPlan.render()`; `runner.execute` runs the very same plan, once it has checked
+under the run's lock that what the plan read has not changed since ("changed since planned")."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rkit.backends.local.launcher import Container, LaunchRequest, LocalBackend
+from rkit.contract.config import Config
+from rkit.contract.errors import RkitError
+from rkit.contract.rundir import RunDir
+from rkit.contract.stamp import canonical_json, hashed_config, is_secret_name, redact
+from rkit.images import probe as imageagent
+from rkit.images.identity import ImageIdentity
+from rkit.images.identity import resolve as resolve_image
+from rkit.images.store import apptainer
+from rkit.recipe import maxtext_keys
+from rkit.recipe.load import Recipe
+from rkit.recipe.yaml_text import PATH_CHARS_WHY, unsafe_path_chars
+from rkit.run.attempt import attempt_request, default_jax_cache_dir
+from rkit.run.lock import RunLock
+from rkit.runtime import determinism, manifest
+from rkit.runtime.inject import Injection
+from rkit.runtime.trainers import maxtext
+
+RESOLVE = object()  # plan(image=RESOLVE): resolve the recipe's image (the default)
+
+
+@dataclass
+class LaunchPlan:
+    """What one `rkit run` / `--resume` / `reproduce` does; nothing of it is written until `runner.execute`."""
+
+    recipe: Recipe
+    run: RunDir
+    continuing: bool  # the run directory exists: --resume continues it
+    image: ImageIdentity | None
+    injections: list[Injection]
+    host_env: dict[str, str]
+    base_env: dict[str, str]  # each training process's environment, before what changes per attempt
+    jax_cache_dir: str
+    first_attempt: int
+    changes: dict[str, list] = field(default_factory=dict)  # what --resume changes: {dotted key: [old, new]}
+    training_change: str | None = None  # what those changes change in what MaxText derives (the schedule)
+    extra_stamp: dict[str, Any] = field(default_factory=dict)  # reproduce: where the run came from
+    backend: LocalBackend | None = None  # local: the launcher the supervisor runs the attempts with
+    first_request: LaunchRequest | None = None  # local: what the first attempt starts
+    batch: Any = None  # slurm: the sbatch request (backends/slurm/launcher.BatchRequest)
+
+    @property
+    def launcher(self) -> str:
+        return self.recipe.config.launcher
+
+    def render(self) -> str:
+        """`rkit run --dry-run`: the plan as text, secrets redacted."""
+        state = (f"continued by --resume: attempt {self.first_attempt} next" if self.continuing else "new")
+        out = [f"# rkit run --dry-run: {self.recipe.source}, config hash {self.recipe.config_hash}",
+               f"# run directory {self.run.path.resolve()} ({state})",
+               f"# image {self.image.path} ({self.image.sha256})" if self.image
+               else "# image: none (this Python environment)"]
+        out += [f"# --resume changes {key}: {redact(old)!r} -> {redact(new)!r}"
+                for key, (old, new) in self.changes.items()]
+        if self.training_change:
+            out.append(f"# and with it the training: {self.training_change}")
+        if self.batch is not None:
+            return "\n".join([*out, "# sbatch argv, one item per line:",
+                              *(f"#   {redact(a)}" for a in self.batch.argv), self.batch.script.rstrip("\n")])
+        for rank in self.first_request.ranks:
+            changed = {k: v for k, v in sorted(rank.env.items()) if self.host_env.get(k) != v}
+            out += [f"# rank {rank.rank}: log {rank.log}", shlex.join(rank.argv),
+                    *(f"  {k}={shlex.quote(str(v))}" for k, v in redact(changed).items())]
+        return "\n".join(out)
+
+
+def run_path(recipe: Recipe) -> RunDir:
+    return RunDir(Path(recipe.config.runs_dir) / recipe.name)
+
+
+def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: Any = RESOLVE,
+         extra_stamp: dict[str, Any] | None = None) -> LaunchPlan:
+    """Everything `runner.execute` will do, read and worked out now; a user mistake is an RkitError here, before
+    anything is written. `image`: the recipe's image resolved (RESOLVE) or already identified (reproduce)."""
+    image = resolve_image(recipe.config.image) if image is RESOLVE else image
+    check_maxtext_keys(recipe, image)
+    run = run_path(recipe)
+    if bad := unsafe_path_chars(str(run.path.resolve())):
+        raise RkitError(f"{run.path.resolve()}: the run directory's path holds {bad}, {PATH_CHARS_WHY}; set "
+                        "runs_dir (or run from) a directory without them.")
+    continuing = os.path.lexists(run.path)
+    changes: dict[str, list] = {}
+    why = None
+    if continuing:
+        refuse_existing(run, recipe, resume)
+        run.refuse_planted_links()
+        RunLock.refuse_if_held(run)
+        changes = check_resume(run, recipe, image)
+        why = maxtext_keys.schedule_change(run.load_resolved(), recipe.resolved) if changes else None
+    first = max(run.attempt_numbers(), default=0) + 1 if continuing else 1
+    host = dict(os.environ)
+    common = dict(recipe=recipe, run=run, continuing=continuing, image=image, injections=list(injections),
+                  host_env=host, base_env=training_env(recipe.config, image, host),
+                  jax_cache_dir=default_jax_cache_dir(), first_attempt=first, changes=changes, training_change=why,
+                  extra_stamp=dict(extra_stamp or {}))
+    if recipe.config.launcher == "slurm":
+        from rkit.backends.slurm import launcher as slurm
+
+        if image is not None:
+            slurm.check_container_launch(recipe.config.slurm.container_launch)
+        batch = slurm.render_batch(run, recipe.config, recipe.config.slurm.python or sys.executable)
+        return LaunchPlan(**common, batch=batch)
+    container = None
+    if image is not None:
+        container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
+                              binds=(str(run.path.resolve()), common["jax_cache_dir"]), python=image.python,
+                              agent_path=bound_agent_path(run, image))
+    res = recipe.config.resources
+    backend = LocalBackend(container=container, warm_standby=recipe.config.resilience.standby_on(
+        res.processes_per_node * res.nodes, os.cpu_count()))
+    # Every injection is pending at a start: execute's run.submitted / run.resumed event begins their count.
+    request = attempt_request(backend, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
+                              first, [i for i in injections if i.in_trainer], run.attempt_dir(first))
+    return LaunchPlan(**common, backend=backend, first_request=request)
+
+
+def refuse_existing(run: RunDir, recipe: Recipe, resume: bool) -> None:
+    """A run directory that exists: only --resume continues it, and only an rkit run."""
+    if not resume:
+        raise RkitError(f"{run.path}: a run named {recipe.name!r} already exists. Continue it with "
+                        f"`{recipe.command('--resume')}`, or start another with "
+                        f"`{recipe.command('-o', 'name=NEW', drop=('name',))}`.")
+    if not run.exists():
+        raise RkitError(f"{run.path}: exists but is not an rkit run (no resolved.json); move it away "
+                        "or pick a new name with -o name=NEW.")
+
+
+def bound_agent_path(run: RunDir, image: ImageIdentity | None) -> str | None:
+    """For an image without this rkit's agent: where execute writes the agent's copy (the ranks' PYTHONPATH);
+    None when the image brings its own."""
+    if image is None or image.agent != "bound":
+        return None
+    return str(run.path.resolve() / imageagent.AGENT_DIR)
+
+
+def check_resume(run: RunDir, recipe: Recipe, image: ImageIdentity | None) -> dict[str, list]:
+    """What `--resume` may change, as {dotted key: [old, new]}: the operational knobs (stamp.OPERATIONAL_KEYS:
+    budgets, timeouts, observability, Slurm time, partition, ...), `access`, and `trainer.steps` (to extend
+    training; never below the committed step). Any other change trains something else: refused, listed."""
+    stamped = run.load_manifest().get("image", {})
+    if image is not None and stamped.get("sha256") != image.sha256:
+        raise RkitError(f"{run.path}: the image differs from the one this run was started with: expected "
+                        f"{stamped.get('sha256')}, found {image.sha256} ({image.path}). A resumed run must use the "
+                        "same software: restore that image, or start a new run with -o name=NEW.")
+    recorded = run.load_resolved()
+    training = sorted(k for k in _changed_keys(hashed_config(recorded), hashed_config(recipe.resolved))
+                      if k != "trainer.steps")
+    if training:
+        raise RkitError(f"{run.path}: the recipe differs from the one this run was started with in what it trains "
+                        f"(changed: {', '.join(training)}); a resumed run must train the same config. Operational "
+                        "settings (resilience, observability, slurm time/partition/account/qos/...) and a longer "
+                        "trainer.steps may change on --resume. Start a new run with "
+                        f"`{recipe.command('-o', 'name=NEW', drop=('name',))}`.")
+    changes = {key: [_at(recorded, key), _at(recipe.resolved, key)]
+               for key in sorted(_changed_keys(recorded, recipe.resolved)) if key not in ("name", "runs_dir")}
+    if "trainer.steps" in changes:
+        committed = maxtext.latest_committed_step(run)
+        if committed is not None and int(recipe.config.trainer.steps) - 1 < committed:
+            raise RkitError(f"{run.path}: trainer.steps {recipe.config.trainer.steps} ends before the committed step "
+                            f"{committed}; a resumed run can extend training, not end before what it saved. Give "
+                            f"trainer.steps of at least {committed + 1}.")
+    return changes
+
+
+def _at(tree: object, dotted: str) -> object:
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def _changed_keys(a: object, b: object, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in set(a) | set(b):
+            out.extend(_changed_keys(a.get(key), b.get(key), f"{prefix}{key}."))
+        return out
+    return [prefix.rstrip(".")] if canonical_json(a) != canonical_json(b) else []
+
+
+def training_env(config: Config, image: ImageIdentity | None, host: dict[str, str]) -> dict[str, str]:
+    """The environment of each training process: the recipe's env on top of the host's. In a container
+    (--cleanenv) only the variables that shape training (XLA_*, JAX_*, ...) and secrets such as HF_TOKEN
+    are carried in; without one, the whole host environment is inherited."""
+    extra = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in config.env.items()}
+    if image is not None:
+        carried = {k: v for k, v in host.items() if k.startswith(manifest.ENV_PREFIXES) or is_secret_name(k)}
+        return _deterministic(config, {**carried, **extra})
+    env = _deterministic(config, {**host, **extra})
+    # The agent is rkit's own module: make sure the training Python can import it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
+def _deterministic(config: Config, env: dict[str, str]) -> dict[str, str]:
+    """reproducibility.deterministic: its switches on top of everything else (determinism.py)."""
+    return determinism.apply(env) if config.reproducibility.deterministic else env
+
+
+def check_maxtext_keys(recipe: Recipe, image: ImageIdentity | None) -> None:
+    """trainer.overrides against the MaxText that will train (maxtext_keys.py): a RecipeError before anything
+    exists; a note on stderr where the keys cannot be read here."""
+    if (note := maxtext_keys.safe_check(recipe, image)) is not None:
+        print(f"rkit: {note}", file=sys.stderr)
+
+
+def validate_maxtext_keys(recipe: Recipe) -> str | None:
+    """`rkit validate`: the same check as `run`, where the image is at hand; otherwise a note (validating a
+    recipe needs no apptainer and no built image)."""
+    try:
+        image = resolve_image(recipe.config.image)
+    except RkitError as exc:
+        return f"note: trainer.overrides not checked against MaxText: the image is not at hand ({exc})"
+    return maxtext_keys.safe_check(recipe, image)

@@ -1,0 +1,83 @@
+"""Plan, then execute (run/plan.py, run/runner.py): `--dry-run` prints the plan, the supervisor starts the plan's
+own request for the first attempt, and execution refuses a run directory that changed after it was planned."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from rkit.recipe.load import load_recipe
+from rkit.run import runner
+from rkit.run.plan import plan
+from rkit.run.supervisor import Supervisor
+from rkit.runtime.inject import parse_injections
+
+from ..conftest import TINY
+
+
+def test_the_first_attempt_starts_the_very_request_the_dry_run_printed(tmp_path):
+    recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=p", "env.FOO=bar"])
+    launch = plan(recipe, resume=False, injections=parse_injections(["kill:rank=1,step=5"], recipe.processes))
+    text = launch.render()
+    assert not (tmp_path / "p").exists()  # planning writes nothing
+    for rank in launch.first_request.ranks:  # every rank's whole command line, its coordinator port included
+        assert shlex.join(rank.argv) in text and f"RKIT_COORDINATOR={rank.env['RKIT_COORDINATOR']}" in text
+    assert "  FOO=bar" in text and "(new)" in text
+    sup = Supervisor(run=launch.run, config=recipe.config, injections=launch.injections, backend=launch.backend,
+                     base_env=launch.base_env, host_env=launch.host_env, image=None,
+                     jax_cache_dir=launch.jax_cache_dir, planned=(1, [0], launch.first_request))
+    in_trainer = [i for i in launch.injections if i.in_trainer]
+    assert sup.launch_request(1, in_trainer, launch.run.attempt_dir(1)) is launch.first_request
+    later = sup.launch_request(2, in_trainer, launch.run.attempt_dir(2))  # made the same way, for attempt 2
+    assert later is not launch.first_request and later.ranks[0].env["RKIT_ATTEMPT"] == "2"
+    assert [r.argv for r in later.ranks] == [r.argv for r in launch.first_request.ranks]
+
+
+def test_a_resume_plan_names_its_changes_and_the_next_attempt(tmp_path):
+    recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=r"])
+    with runner.open_run(plan(recipe, resume=False, injections=[])) as (run, _lock):
+        run.attempt_dir(1).mkdir(parents=True)
+    before = recipe.config.resilience.max_restarts
+    changed = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=r", f"resilience.max_restarts={before + 2}"])
+    launch = plan(changed, resume=True, injections=[])
+    assert launch.continuing and launch.first_attempt == 2
+    assert launch.changes == {"resilience.max_restarts": [before, before + 2]}
+    assert f"# --resume changes resilience.max_restarts: {before!r} -> {before + 2!r}" in launch.render()
+    assert "attempt 2 next" in launch.render()
+
+
+def test_execute_refuses_a_run_directory_that_changed_after_it_was_planned(tmp_path):
+    recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=c"])
+    launch = plan(recipe, resume=False, injections=[])
+    (tmp_path / "c").mkdir()  # another rkit made it meanwhile
+    with pytest.raises(runner.ChangedSincePlanned, match="changed since planned: the run directory appeared"):
+        with runner.open_run(launch):
+            pass
+    assert list((tmp_path / "c").iterdir()) == []  # nothing written
+    (tmp_path / "c").rmdir()
+    with runner.open_run(plan(recipe, resume=False, injections=[])) as (run, _lock):
+        pass
+    resume = plan(recipe, resume=True, injections=[])
+    run.attempt_dir(1).mkdir(parents=True)  # an attempt started meanwhile (another supervisor)
+    before = run.events_file.read_bytes(), run.manifest.read_bytes()
+    with pytest.raises(runner.ChangedSincePlanned, match="planned attempt 1 .* found attempt 2"):
+        with runner.open_run(resume):
+            pass
+    assert (run.events_file.read_bytes(), run.manifest.read_bytes()) == before
+    gone = plan(recipe, resume=True, injections=[])
+    import shutil
+
+    shutil.rmtree(run.path)  # planned as a resume, then the run went away
+    with pytest.raises(runner.ChangedSincePlanned, match="went away"):
+        with runner.open_run(gone):
+            pass
+    assert not run.path.exists()
+
+
+def test_an_existing_run_without_resume_is_refused_when_planning(tmp_path):
+    recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=e"])
+    with runner.open_run(plan(recipe, resume=False, injections=[])):
+        pass
+    with pytest.raises(Exception, match="already exists. Continue it with"):
+        plan(recipe, resume=False, injections=[])
