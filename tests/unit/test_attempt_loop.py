@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit
-from rkit.contract.rundir import EV, RunDir
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir
 from rkit.images.identity import ImageIdentity
 from rkit.images.store import sha256_file
 from rkit.readers import outcome
@@ -607,7 +608,7 @@ def test_the_progress_message_names_the_phase_then_the_final_save(tmp_path):
 def test_every_event_rkit_writes_passes_the_vocabularys_field_types(tmp_path):
     # The readers skip an event whose fields have other types than EVENT_FIELD_TYPES says; the notes rkit itself
     # writes (a standby step's name in `step`, lists of nodes) must never be among them.
-    from rkit.contract.rundir import valid_event
+    from rkit.contract.events import valid_event
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()

@@ -14,7 +14,7 @@ import pytest
 
 from rkit.backends.base import RankExit
 from rkit.contract import heartbeat
-from rkit.contract.rundir import EV
+from rkit.contract.events import EV
 from rkit.recipe.load import load_recipe
 from rkit.run.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, suspects
 from rkit.run.policy import Budgets, Cause, Observation, Outcome, Tally, classify, decide

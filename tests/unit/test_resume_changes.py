@@ -11,19 +11,20 @@ from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir
 from rkit.recipe.load import load_recipe
 from rkit.run import runner
+from rkit.run.plan import plan
 
 from ..conftest import TINY
 
 
 def start(tmp_path, *extra: str) -> RunDir:
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=r", *extra])
-    with runner.open_run(recipe, resume=False, injections=[]) as (run, _lock):
+    with runner.open_run(plan(recipe, resume=False, injections=[])) as (run, _lock):
         return run
 
 
 def resume(tmp_path, *extra: str) -> RunDir:
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=r", *extra])
-    with runner.open_run(recipe, resume=True, injections=[]) as (run, _lock):
+    with runner.open_run(plan(recipe, resume=True, injections=[])) as (run, _lock):
         return run
 
 

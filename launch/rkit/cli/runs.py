@@ -97,7 +97,8 @@ def supervise(run_dir: Path) -> None:
 def cancel(run_dir: Path) -> None:
     """Cancel RUN's Slurm job (scancel); the run stays resumable with `rkit run RECIPE --resume`."""
     from rkit.backends.slurm import launcher as slurm
-    from rkit.contract.rundir import EV, RunDir
+    from rkit.contract.events import EV
+    from rkit.contract.rundir import RunDir
     from rkit.run import runner
 
     run = RunDir(run_dir).require()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rkit.contract.errors import RkitError, RunDirUnwritable
+from rkit.contract.events import valid_event
 from rkit.contract.safeio import JsonlTail, finite, last_jsonl, load_json, read_jsonl  # noqa: F401
 from rkit.contract.stamp import redact
 
@@ -21,51 +22,6 @@ if TYPE_CHECKING:
 
 EVENTS = "events.jsonl"
 LOCK = ".lock"
-
-
-class EV:
-    """The event vocabulary of events.jsonl: every name rkit writes or reads."""
-
-    RUN_SUBMITTED = "run.submitted"
-    RUN_RESUMED = "run.resumed"
-    RUN_CHANGED = "run.changed"  # --resume with operational changes or a longer trainer.steps: {key: [old, new]}
-    RUN_FINISHED = "run.finished"
-    RUN_GAVE_UP = "run.gave_up"
-    RUN_INTERRUPTED = "run.interrupted"
-    JOB_SUBMITTED = "job.submitted"
-    JOB_STARTED = "job.started"
-    JOB_REQUEUE_REQUESTED = "job.requeue_requested"
-    JOB_REQUEUED = "job.requeued"
-    JOB_CANCEL_REQUESTED = "job.cancel_requested"
-    ATTEMPT_STARTED = "attempt.started"
-    ATTEMPT_FIRST_STEP = "attempt.first_step"
-    ATTEMPT_FAILED = "attempt.failed"
-    ATTEMPT_HANG = "attempt.hang"
-    ATTEMPT_STACKS_DUMPED = "attempt.stacks_dumped"
-    ATTEMPT_NO_NODES = "attempt.no_nodes"
-    ATTEMPT_ENDED = "attempt.ended"
-    AGENT_STARTED = "agent.started"  # a rank's agent began (warm: a standby took the rank)
-    AGENT_READY = "agent.ready"  # MaxText imported, jax.distributed set up: then restore and compile
-    IMAGE_REBUILT = "image.rebuilt"  # the SIF's bytes changed, its environment did not: the run goes on
-    STANDBY = "standby"  # a warm standby rank: started, ready, died, replaced, discarded (rank, pid)
-    STOP_REQUESTED = "stop.requested"
-    PREEMPT_REQUESTED = "preempt.requested"
-    PREEMPT_SAVED = "preempt.saved"
-    PREEMPT_UNSAVED = "preempt.unsaved"
-    PREEMPT_ESCALATED = "preempt.escalated"
-    NODES_EXCLUDED = "nodes.excluded"
-    NODE_SUSPECTED = "node.suspected"  # heartbeat silent and no step progress on the node: the probe step starts
-    NODE_ALIVE = "node.alive"  # a suspected node answered its probe (slow, not dead): the attempt goes on
-    NODE_DEAD = "node.dead"  # a suspected node failed its probe: excluded, the attempt restarted without it
-    NODE_STRAGGLER = "node.straggler"
-    INJECT_FIRED = "inject.fired"
-    DISK_LOW = "disk.low"
-    AGENT_ENV_DROPPED = "agent.env_dropped"  # M_<KEY> variables removed before MaxText read them (names only)
-    EXPORTER_INSECURE = "exporter.insecure"  # a node's exporter serves plain HTTP beyond loopback (insecure: true)
-    CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
-    AGENT_DEVICES = "agent.devices"  # a rank's share of its node's GPUs: local rank, visibility variables
-    DETERMINISM_CHECKED = "determinism.checked"  # a rank checked deterministic mode's switches after MaxText's set-up
-    DETERMINISM_CLOBBERED = "determinism.clobbered"  # one per switch that did not survive: expected, found
 
 
 def nearest_existing(path: Path) -> Path:
@@ -170,48 +126,10 @@ def write_json_atomic(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-# The types of the event fields readers rely on (a field may be absent or null); an event whose `t` is not a time
-# or whose `event` is not a name, or any of these of another type, is damaged and skipped.
-EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    **dict.fromkeys(("attempt", "rank", "resume_from_step", "committed_step", "last_step", "exit_code",
-                     "restart_count", "processes", "index", "requested_at_step"), int),
-    "step": (int, str),  # a training step, or a standby step's name (`standby` notes: "standby-2")
-    **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
-                     "name", "what", "received", "config_hash"), str),
-    **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks"), list),
-    **dict.fromkeys(("changes", "tally"), dict),
-    **dict.fromkeys(("seconds", "seconds_since_start", "restore_started", "restore_seconds", "import_seconds",
-                     "distributed_seconds", "detect_seconds", "timeout", "seconds_silent", "standby_import_seconds",
-                     "ratio", "median", "others_median", "factor", "free_bytes", "total_bytes", "fraction",
-                     "threshold", "grace_seconds"), float),
-    **dict.fromkeys(("fs", "path"), str),
-}
 # The parts of manifest.json that readers walk into (manifest.py writes them).
 MANIFEST_TYPES: dict[str, type] = {"rkit_version": str, "run": dict, "config_hash": str, "hashed_config": dict,
                                    "image": dict, "launcher": str, "injections": list, "host": dict,
                                    "determinism": dict, "training_changes": list, "reproduced_from": dict}
-LATEST_T = 1e11  # seconds since 1970: the year 5138
-
-
-def valid_event(event: dict) -> bool:
-    t = event.get("t")
-    if not (finite(t) and 0 <= t < LATEST_T and isinstance(event.get("event"), str)):
-        return False
-    for key, want in EVENT_FIELD_TYPES.items():
-        value = event.get(key)
-        if value is None:
-            continue
-        if want is float:
-            if not finite(value):
-                return False
-        elif want is int:
-            if not isinstance(value, int) or isinstance(value, bool) or abs(value) >= 1 << 62:
-                return False
-        elif not isinstance(value, want):
-            return False
-    return True
-
-
 class RunDir:
     """Paths inside one run directory, plus the append-only event log."""
 

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from rkit.contract.rundir import RunDir, valid_event
+from rkit.contract.events import valid_event
+from rkit.contract.rundir import RunDir
 from rkit.contract.safeio import MAX_LINE_BYTES, objects, open_regular, private_dir
 from rkit.readers import goodput_events
 from rkit.runtime.telemetry import metrics

@@ -46,7 +46,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rkit.contract.rundir import EV, RunDir
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir
 from rkit.readers.goodput_events import AttemptSteps, AttemptTimes, EventFold
 from rkit.runtime.telemetry import metrics
 

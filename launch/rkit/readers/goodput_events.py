@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rkit.contract.rundir import EV
+from rkit.contract.events import EV
 
 SESSION_START = (EV.RUN_SUBMITTED, EV.RUN_RESUMED)
 SESSION_END = (EV.RUN_FINISHED, EV.RUN_GAVE_UP, EV.RUN_INTERRUPTED)

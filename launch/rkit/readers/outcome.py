@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rkit.contract.errors import RkitError
-from rkit.contract.rundir import EV, RunDir, write_json_atomic
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.contract.safeio import open_regular
 from rkit.readers import goodput
 from rkit.run.policy import FINAL_EVENTS

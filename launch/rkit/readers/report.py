@@ -15,7 +15,8 @@ from typing import Any
 from rkit import __version__
 from rkit.contract.config import Config
 from rkit.contract.errors import RkitError
-from rkit.contract.rundir import EV, RunDir, set_access, write_atomic
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, set_access, write_atomic
 from rkit.readers import goodput
 from rkit.readers.display import progress
 from rkit.run.stragglers import SKIP_STEPS, find_stragglers, straggler_events

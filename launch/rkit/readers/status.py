@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rkit.contract.config import Config
-from rkit.contract.rundir import EV, RunDir, last_jsonl
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, last_jsonl
 from rkit.readers import goodput, goodput_events
 from rkit.readers.digest import RunDigest
 from rkit.readers.display import TOP, more, num, progress, render_goodput, render_watch, top

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Protocol
 
 from rkit.contract.config import Config
-from rkit.contract.rundir import EV, RunDir, filesystem
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, filesystem
 from rkit.run import preflight
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import Progress

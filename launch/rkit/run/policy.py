@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from rkit.contract.rundir import EV
+from rkit.contract.events import EV
 
 if TYPE_CHECKING:
     from rkit.backends.base import RankExit

@@ -10,7 +10,8 @@ import sys
 
 from rkit.backends.base import Backend
 from rkit.contract.errors import RkitError
-from rkit.contract.rundir import EV, JsonlTail, RunDir, write_json_atomic
+from rkit.contract.events import EV
+from rkit.contract.rundir import JsonlTail, RunDir, write_json_atomic
 from rkit.images.identity import ImageIdentity
 from rkit.runtime import devices
 

@@ -17,7 +17,8 @@ import yaml
 from rkit import __version__
 from rkit.contract.config import Config
 from rkit.contract.errors import RkitError, RunDirUnwritable
-from rkit.contract.rundir import EV, RunDir, set_access, write_atomic, write_json_atomic
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, set_access, write_atomic, write_json_atomic
 from rkit.contract.safeio import private_dir
 from rkit.contract.stamp import hashed_config
 from rkit.images import env as imageenv

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rkit.contract.rundir import EV, RunDir
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir
 
 DEFAULT_FACTOR = 1.5
 SKIP_STEPS = 3

@@ -17,7 +17,8 @@ from typing import Any
 
 from rkit.backends.base import Backend, Handle, NotEnoughNodes, RankExit, Request
 from rkit.contract.config import Config
-from rkit.contract.rundir import EV, RunDir, write_json_atomic
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.images.identity import ImageIdentity
 from rkit.readers import outcome as run_outcome
 from rkit.run import preflight

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rkit.contract.events import EV
 from rkit.contract.heartbeat import JAX_HEARTBEAT_ENV
-from rkit.contract.rundir import EV, UMASK_ENV, RunDir, open_for_writing, write_json_atomic
+from rkit.contract.rundir import UMASK_ENV, RunDir, open_for_writing, write_json_atomic
 from rkit.runtime import determinism, devices
 from rkit.runtime.inject import FIRED_EVENT, Injection
 from rkit.runtime.telemetry import metrics

@@ -8,7 +8,7 @@ import re
 import subprocess
 
 from rkit.contract.errors import RkitError
-from rkit.contract.rundir import EV
+from rkit.contract.events import EV
 
 
 def slurm_version() -> tuple[int, int] | None:

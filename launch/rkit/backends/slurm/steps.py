@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rkit.backends.base import Handle, RankExit
-from rkit.contract.rundir import EV, RunDir
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir
 
 SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
 SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")

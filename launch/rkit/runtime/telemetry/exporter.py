@@ -28,7 +28,8 @@ from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, 
 from prometheus_client.registry import Collector
 
 from rkit.contract.errors import RkitError
-from rkit.contract.rundir import EV, JsonlTail, RunDir
+from rkit.contract.events import EV
+from rkit.contract.rundir import JsonlTail, RunDir
 from rkit.runtime.telemetry import metrics as step_metrics
 from rkit.runtime.telemetry.exposure import exposure, insecure_warning
 

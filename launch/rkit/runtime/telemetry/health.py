@@ -14,7 +14,8 @@ from typing import Any
 
 import psutil
 
-from rkit.contract.rundir import EV, RunDir, nearest_existing, open_for_writing, read_jsonl
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, nearest_existing, open_for_writing, read_jsonl
 from rkit.runtime.telemetry.gpu import (  # noqa: F401 - the probes are named through this module too
     ABSENT,
     GPU_BACKEND_ENV,

@@ -29,7 +29,8 @@ from typing import Any
 from rkit.contract import heartbeat
 from rkit.contract.config import Observability
 from rkit.contract.errors import RkitError
-from rkit.contract.rundir import EV, RunDir, open_for_writing, write_json_atomic
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir, open_for_writing, write_json_atomic
 
 PR_SET_PDEATHSIG = 1
 # The node's place among the attempt's nodes, where Slurm's SLURM_NODEID cannot say it: a warm attempt is made of
