@@ -81,3 +81,21 @@ def test_an_existing_run_without_resume_is_refused_when_planning(tmp_path):
         pass
     with pytest.raises(Exception, match="already exists. Continue it with"):
         plan(recipe, resume=False, injections=[])
+
+
+def test_supervise_plans_from_the_run_directory_what_its_submission_recorded(tmp_path):
+    from rkit.contract.events import EV
+    from rkit.run.plan import plan_supervised
+
+    recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=s", "launcher=slurm", "env.FOO=bar"])
+    injections = parse_injections(["kill:rank=1,step=5"], recipe.processes)
+    submitted = plan(recipe, resume=False, injections=injections)
+    assert "#!/bin/bash" in submitted.render() and submitted.first_request is None
+    with runner.open_run(submitted) as (run, _lock):
+        run.emit(EV.JOB_SUBMITTED, job_id="7", injections=[i.as_dict() for i in injections])
+        run.emit(EV.NODES_EXCLUDED, excluded=["c2"])
+        run.attempt_dir(1).mkdir(parents=True)
+    inside = plan_supervised(run, {"SLURM_JOB_ID": "7", "PATH": "/usr/bin"})
+    assert inside.recipe is None and inside.config == recipe.config
+    assert [i.spec for i in inside.injections] == ["kill:rank=1,step=5"] and inside.excluded == ["c2"]
+    assert inside.first_attempt == 2 and inside.base_env["FOO"] == "bar" and inside.image is None

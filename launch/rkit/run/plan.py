@@ -17,6 +17,7 @@ from typing import Any
 from rkit.backends.local.launcher import Container, LaunchRequest, LocalBackend
 from rkit.contract.config import Config
 from rkit.contract.errors import RkitError
+from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
 from rkit.contract.stamp import canonical_json, hashed_config, is_secret_name, redact
 from rkit.images import probe as imageagent
@@ -39,7 +40,8 @@ RESOLVE = object()  # plan(image=RESOLVE): resolve the recipe's image (the defau
 class LaunchPlan:
     """What one `rkit run` / `--resume` / `reproduce` does; nothing of it is written until `runner.execute`."""
 
-    recipe: Recipe
+    recipe: Recipe | None  # None: `rkit supervise`'s plan, made from the run directory inside the batch job
+    config: Config
     run: RunDir
     continuing: bool  # the run directory exists: --resume continues it
     image: ImageIdentity | None
@@ -54,15 +56,18 @@ class LaunchPlan:
     backend: LocalBackend | None = None  # local: the launcher the supervisor runs the attempts with
     first_request: LaunchRequest | None = None  # local: what the first attempt starts
     batch: Any = None  # slurm: the sbatch request (backends/slurm/launcher.BatchRequest)
+    excluded: list[str] = field(default_factory=list)  # supervise: the nodes earlier attempts excluded
 
     @property
     def launcher(self) -> str:
-        return self.recipe.config.launcher
+        return self.config.launcher
 
     def render(self) -> str:
         """`rkit run --dry-run`: the plan as text, secrets redacted."""
         state = (f"continued by --resume: attempt {self.first_attempt} next" if self.continuing else "new")
-        out = [f"# rkit run --dry-run: {self.recipe.source}, config hash {self.recipe.config_hash}",
+        source, config_hash = ((self.recipe.source, self.recipe.config_hash) if self.recipe else
+                               (str(self.run.resolved), "of resolved.json"))
+        out = [f"# rkit run --dry-run: {source}, config hash {config_hash}",
                f"# run directory {self.run.path.resolve()} ({state})",
                f"# image {self.image.path} ({self.image.sha256})" if self.image
                else "# image: none (this Python environment)"]
@@ -105,8 +110,8 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
         why = maxtext_keys.schedule_change(run.load_resolved(), recipe.resolved) if changes else None
     first = max(run.attempt_numbers(), default=0) + 1 if continuing else 1
     host = dict(os.environ)
-    common = dict(recipe=recipe, run=run, continuing=continuing, image=image, injections=list(injections),
-                  host_env=host, base_env=training_env(recipe.config, image, host),
+    common = dict(recipe=recipe, config=recipe.config, run=run, continuing=continuing, image=image,
+                  injections=list(injections), host_env=host, base_env=training_env(recipe.config, image, host),
                   jax_cache_dir=default_jax_cache_dir(), first_attempt=first, changes=changes, training_change=why,
                   extra_stamp=dict(extra_stamp or {}))
     if recipe.config.launcher == "slurm":
@@ -128,6 +133,26 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
     request = attempt_request(backend, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
                               first, [i for i in injections if i.in_trainer], run.attempt_dir(first))
     return LaunchPlan(**common, backend=backend, first_request=request)
+
+
+def plan_supervised(run: RunDir, host: dict[str, str]) -> LaunchPlan:
+    """`rkit supervise`, inside the batch job: the plan from the run directory (the config and image it was
+    stamped with, the injections its submission carried, the nodes earlier attempts excluded). Its attempts'
+    requests are made when they start (attempt_request): which nodes are healthy is known only then."""
+    run.refuse_planted_links()
+    config = Config.from_resolved(run.load_resolved())
+    stamp = run.load_manifest()
+    events = run.events()
+    submitted = [e for e in events if e.get("event") == EV.JOB_SUBMITTED]
+    injections = [Injection.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
+    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])
+    image = None
+    if stamp.get("image", {}).get("kind") == "sif":
+        image = ImageIdentity(**{k: v for k, v in stamp["image"].items() if k != "kind"})
+    return LaunchPlan(recipe=None, config=config, run=run, continuing=True, image=image, injections=injections,
+                      host_env=host, base_env=training_env(config, image, host),
+                      jax_cache_dir=default_jax_cache_dir(), first_attempt=max(run.attempt_numbers(), default=0) + 1,
+                      excluded=list(excluded))
 
 
 def refuse_existing(run: RunDir, recipe: Recipe, resume: bool) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 import yaml
 
 from rkit import __version__
-from rkit.contract.config import Config
 from rkit.contract.errors import RkitError, RunDirUnwritable
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, set_access, write_atomic, write_json_atomic
@@ -27,9 +26,8 @@ from rkit.images.identity import ImageIdentity, identify, locate
 from rkit.images.store import sha256_file
 from rkit.recipe.load import Recipe, parse_recipe
 from rkit.run import access
-from rkit.run.attempt import default_jax_cache_dir
 from rkit.run.lock import RunLock
-from rkit.run.plan import LaunchPlan, bound_agent_path, check_resume, plan, training_env
+from rkit.run.plan import LaunchPlan, bound_agent_path, check_resume, plan, plan_supervised
 from rkit.run.policy import Progress, RunState
 from rkit.run.supervisor import Supervisor
 from rkit.runtime import determinism, manifest
@@ -181,25 +179,18 @@ def slurm_job(run: RunDir) -> str | None:
 
 
 def supervise(run_path: Path) -> RunState:
-    """Inside the batch job: run the attempts as job steps; on a requeue decision, requeue this very job."""
+    """Inside the batch job: plan from the run directory, then run the attempts as job steps; on a requeue
+    decision, requeue this very job."""
+    return execute_supervised(plan_supervised(RunDir(run_path).require(), dict(os.environ)))
+
+
+def execute_supervised(launch: LaunchPlan) -> RunState:
     from rkit.backends.slurm import launcher as slurm
 
-    run = RunDir(run_path).require()
-    run.refuse_planted_links()
-    resolved = run.load_resolved()
-    stamp = run.load_manifest()
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    events = run.events()
-    submitted = [e for e in events if e.get("event") == EV.JOB_SUBMITTED]
-    injections = [Injection.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
-    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])
-    image = None
-    if stamp.get("image", {}).get("kind") == "sif":
-        fields = {k: v for k, v in stamp["image"].items() if k != "kind"}
-        image = ImageIdentity(**fields)
-    jax_cache = default_jax_cache_dir()
+    run, config, image, jax_cache = launch.run, launch.config, launch.image, launch.jax_cache_dir
+    job_id = launch.host_env.get("SLURM_JOB_ID", "")
+    excluded = launch.excluded
     private_dir(jax_cache)
-    config = Config.from_resolved(resolved)
     set_access(config.access)
     res = config.resources
     backend = slurm.SlurmStepBackend(
@@ -212,11 +203,11 @@ def supervise(run_path: Path) -> RunState:
         liveness=config.resilience)
     lock = _acquire_with_patience(run)
     try:
-        run.emit(EV.JOB_STARTED, job_id=job_id, restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        run.emit(EV.JOB_STARTED, job_id=job_id, restart_count=int(launch.host_env.get("SLURM_RESTART_COUNT", "0") or 0),
                  batch_host=manifest.socket.gethostname(), allocation=backend.allocation(), excluded=excluded)
-        supervisor = Supervisor(run=run, config=config, injections=injections, backend=backend,
-                                base_env=training_env(config, image, dict(os.environ)), host_env=dict(os.environ),
-                                image=image, jax_cache_dir=jax_cache)
+        supervisor = Supervisor(run=run, config=config, injections=launch.injections, backend=backend,
+                                base_env=launch.base_env, host_env=launch.host_env, image=image,
+                                jax_cache_dir=jax_cache)
         supervisor.install_signal_handlers()
         signal.signal(signal.SIGUSR1, supervisor.request_preempt)
         try:
