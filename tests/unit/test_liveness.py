@@ -76,6 +76,23 @@ def test_liveness_settings_set_jax_heartbeat_just_after_rkits_detection():
     assert r.jax_heartbeat_seconds == 10
 
 
+@pytest.mark.parametrize("overrides, seconds", [
+    ([], 1200),  # auto: past the start-up allowance (600 s) and the floor doubled around a save (120 s)
+    (["resilience.hang_timeout=900"], 1800),
+    (["resilience.hang_timeout=5", "resilience.hang_startup_seconds=10", "resilience.hang_floor_seconds=5"], 100),
+    (["resilience.hang_timeout=null"], None),  # no hang watch: JAX's own heartbeat is the only one left
+])
+def test_local_ranks_get_a_jax_heartbeat_above_rkits_hang_detection(tmp_path, overrides, seconds):
+    # A stopped rank sends no heartbeat: at JAX's default its coordination service aborted the other rank
+    # (SIGABRT, "task_signal") 65 s after the stop, before a 60 s hang_timeout had been read and acted on.
+    from rkit.run.plan import plan
+
+    recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=h", *overrides])
+    assert recipe.config.resilience.local_jax_heartbeat_seconds == seconds
+    for rank in plan(recipe, resume=False, injections=[]).first_request.ranks:
+        assert rank.env.get(heartbeat.JAX_HEARTBEAT_ENV) == (None if seconds is None else str(seconds))
+
+
 # ---------------------------------------------------------------- the attempt loop with real heartbeats
 
 

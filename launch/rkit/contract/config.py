@@ -70,6 +70,18 @@ class Resilience:
         if rkit could not act. At least 10 s: JAX sends a heartbeat every few seconds."""
         return max(10, int(2 * (float(self.node_silence_seconds) + float(self.node_probe_seconds))))
 
+    @property
+    def local_jax_heartbeat_seconds(self) -> int | None:
+        """JAX's heartbeat timeout for local attempts: above rkit's own hang detection, so that a frozen rank (a
+        stopped process sends no heartbeat) is caught by the hang watch, which dumps its stacks and names it,
+        instead of JAX's coordination service aborting its peers (SIGABRT) about 65 s after it stopped, before
+        hang_timeout auto's 60 s floor, doubled around a save, has run out. No node can vanish apart from the
+        supervisor on one machine. None (JAX's own default) when hang detection is off."""
+        if self.hang_timeout is None:
+            return None
+        explicit = 0.0 if self.hang_timeout == "auto" else float(self.hang_timeout)
+        return max(100, int(2 * max(explicit, 2 * float(self.hang_floor_seconds), float(self.hang_startup_seconds))))
+
     def standby_on(self, processes_per_node: int, cpus: int | None) -> bool:
         """auto: on when a node (this machine, or the Slurm batch host's allocation) has 4 cores per rank or
         more: a standby imports beside the live attempt, and on fewer cores that slows the attempt more than a

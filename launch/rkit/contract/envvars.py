@@ -35,7 +35,7 @@ VARIABLES = (
     Var("RKIT_GPU_VENDOR", SUPERVISOR, "runtime/devices.py", "nvidia, amd or empty: which visible-devices variable"),
     Var("RKIT_DETERMINISTIC", "runtime/determinism.py (reproducibility.deterministic)", RANK,
         "the deterministic settings, as JSON, for each rank to check"),
-    Var("RKIT_JAX_HEARTBEAT_SECONDS", "the Slurm backend", RANK, "jax.distributed's heartbeat timeout"),
+    Var("RKIT_JAX_HEARTBEAT_SECONDS", "the Slurm and local backends", RANK, "jax.distributed's heartbeat timeout"),
     Var("RKIT_LIVENESS_ADDRESS", "the Slurm backend", "each node's heartbeat sender (contract/heartbeat.py)",
         "host:port of the supervisor's heartbeat socket"),
     Var("RKIT_LIVENESS_TOKEN", "the Slurm backend", "each node's heartbeat sender", "the key that signs heartbeats"),

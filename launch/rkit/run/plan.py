@@ -127,8 +127,10 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
                               binds=(str(run.path.resolve()), common["jax_cache_dir"]), python=image.python,
                               agent_path=bound_agent_path(run, image))
     res = recipe.config.resources
-    backend = LocalBackend(container=container, warm_standby=recipe.config.resilience.standby_on(
-        res.processes_per_node * res.nodes, os.cpu_count()))
+    resilience = recipe.config.resilience
+    backend = LocalBackend(container=container,
+                           warm_standby=resilience.standby_on(res.processes_per_node * res.nodes, os.cpu_count()),
+                           jax_heartbeat_seconds=resilience.local_jax_heartbeat_seconds)
     # Every injection is pending at a start: execute's run.submitted / run.resumed event begins their count.
     request = attempt_request(backend, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
                               first, [i for i in injections if i.in_trainer], run.attempt_dir(first))

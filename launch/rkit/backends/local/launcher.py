@@ -20,6 +20,7 @@ from pathlib import Path
 from rkit.backends import gpu_health
 from rkit.backends.base import Handle, RankExit, wait_for_dump
 from rkit.backends.local.standby import StandbyPool
+from rkit.contract.heartbeat import JAX_HEARTBEAT_ENV
 from rkit.contract.rundir import RunDir, open_for_writing, write_atomic
 
 
@@ -98,8 +99,10 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, python: str | None = None, container: Container | None = None, warm_standby: bool = False):
+    def __init__(self, python: str | None = None, container: Container | None = None, warm_standby: bool = False,
+                 jax_heartbeat_seconds: int | None = None):
         self.python = python or sys.executable
+        self.jax_heartbeat_seconds = jax_heartbeat_seconds  # Resilience.local_jax_heartbeat_seconds
         self.container = container
         self.exclude: list[str] = []
         self.standby = StandbyPool(container is not None) if warm_standby else None
@@ -115,6 +118,8 @@ class LocalBackend:
             env = dict(base_env)
             env.update({"RKIT_RANK": str(rank), "RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator,
                         "PYTHONUNBUFFERED": "1"})
+            if self.jax_heartbeat_seconds is not None:
+                env[JAX_HEARTBEAT_ENV] = str(self.jax_heartbeat_seconds)
             argv = ["-m", "rkit.runtime.agent", *trainer_args]
             if self.container:
                 argv, env = self.container.wrap(argv), self.container.wrap_env(host_env or {}, env)
