@@ -12,7 +12,7 @@ TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
 FLAVOR ?= cpu
 MIRROR ?=
 
-.PHONY: lock-python lock-debian setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table
+.PHONY: lock-python lock-debian setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table docs docs-reference
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-python
@@ -25,9 +25,10 @@ $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-p
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
 	@touch $@
 
-# Test tools on top (dev.txt is cpu.txt plus pytest, hypothesis, ruff; same pins).
-$(VENV)/.stamp-dev: $(VENV)/.stamp-cpu $(LOCKS)/dev.txt
+# Test tools on top (dev.txt is cpu.txt plus pytest, hypothesis, ruff; same pins), and mkdocs (docs.txt).
+$(VENV)/.stamp-dev: $(VENV)/.stamp-cpu $(LOCKS)/dev.txt $(LOCKS)/docs.txt
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCKS)/dev.txt
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCKS)/docs.txt
 	@touch $@
 
 setup: $(VENV)/.stamp-cpu
@@ -51,6 +52,7 @@ prometheus:
 # Everything: unit tests, real MaxText, real Apptainer, real Prometheus, and the Slurm tests on the test bed.
 test: setup-dev apptainer prometheus slurm-testbed
 	$(VENV)/bin/ruff check launch tests
+	$(PY) -m mkdocs build --strict --site-dir site
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The Slurm test bed (ci/slurm-testbed.sh: Slurm 24.11 + Apptainer in a Debian 13 root, 3 nodes; root on
@@ -59,7 +61,16 @@ slurm-testbed:
 	@ci/slurm-testbed.sh up >/dev/null || \
 	  echo "rkit: warning: no Slurm test bed (ci/slurm-testbed.sh up needs root on Debian 12); Slurm tests cannot run"
 
-# docs/modules.md from the package's tree (tests/unit/test_module_table.py fails while it is stale).
+# The documentation site into site/ (mkdocs.yml), strictly: a warning, a broken link or anchor is an error.
+docs: setup-dev
+	$(PY) -m mkdocs build --strict --site-dir site
+
+# The generated pages: docs/reference/ (recipe keys, CLI, events, exit codes) and docs/modules.md, from the code
+# (tests/unit/test_docs.py and test_module_table.py fail while one is stale).
+docs-reference: setup-dev
+	$(PY) ci/docs_reference.py
+	$(PY) ci/module_table.py > docs/modules.md
+
 module-table:
 	python3 ci/module_table.py > docs/modules.md
 
@@ -100,13 +111,15 @@ lock-python:
 	$(UV_COMPILE) --universal $(LOCKS)/cpu.in -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/cpu.txt
 	$(UV_COMPILE) --universal $(LOCKS)/dev.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/cpu.constraints.txt -o $(LOCKS)/dev.txt
 	$(UV_COMPILE) --universal $(LOCKS)/bench.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/dev.txt -o $(LOCKS)/bench.txt
+	$(UV_COMPILE) --universal $(LOCKS)/docs.in -c $(LOCKS)/cpu.txt -c $(LOCKS)/dev.txt -c $(LOCKS)/bench.txt \
+	  -o $(LOCKS)/docs.txt
 	$(UV_COMPILE_313) --python-platform x86_64-manylinux_2_28 $(LOCKS)/cuda.in -c $(LOCKS)/cpu.constraints.txt \
 	  -o $(LOCKS)/cuda.txt
 	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 $(LOCKS)/rocm.in \
 	  -c <(grep -v '^jax' $(LOCKS)/cpu.constraints.txt) -o $(LOCKS)/rocm.txt
 
 clean:
-	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache site
 
 # Restart latency vs cold start, median of 3, side by side (real MaxText; ~3 minutes).
 bench: setup

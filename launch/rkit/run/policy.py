@@ -19,11 +19,11 @@ if TYPE_CHECKING:
 
 
 class RunState(enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    FINISHED = "finished"
-    GAVE_UP = "gave up"
-    INTERRUPTED = "interrupted"
+    PENDING = "pending"  # submitted (a Slurm job in the queue), no attempt yet
+    RUNNING = "running"  # a supervisor is training it
+    FINISHED = "finished"  # the final step is committed
+    GAVE_UP = "gave up"  # stopped with a diagnosis: a budget spent, a crash loop, a full disk, out of memory ...
+    INTERRUPTED = "interrupted"  # the user stopped it (Ctrl-C, SIGTERM to rkit, rkit cancel): resumable
     REQUEUED = "requeued"  # the batch job goes back to the queue and the run continues when it restarts
     STOPPED = "stopped"  # the supervisor went away without saying why (killed, machine lost)
 

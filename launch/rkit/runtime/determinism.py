@@ -2,7 +2,7 @@
 bit-exact reruns on GPUs, set into every rank's environment (runner.training_env), recorded in the manifest, and
 checked by each rank at start (agent): one `determinism.clobbered` event per switch that did not survive.
 
-Each switch, what it does and where it is documented (README, "Deterministic mode", has the costs):
+Each switch, what it does and where it is documented (docs/outcomes.md, "Deterministic mode", has the costs):
 
 - XLA_FLAGS --xla_gpu_deterministic_ops=true: "Guarantees run-to-run determinism on GPU" (xla/debug_options_flags.cc;
   https://openxla.org/xla/determinism): deterministic scatter, GEMM, convolution and fused attention, and no
