@@ -1,5 +1,5 @@
-"""Building images (through spython) into the content-addressed cache (image.py), bit-reproducibly
-(imagerepro.py) and with the Debian packages checked against their lock (debianlock.py).
+"""Building images (through spython) into the content-addressed cache (images/store.py), bit-reproducibly
+(images/repro.py) and with the Debian packages checked against their lock (runtime/debianlock.py).
 
 The cache key of a build is the sha256 of what goes into it: the definition file, the locks, the build arguments
 that change content, the base image digest, and the image-side part of rkit (rkit is installed in the image).

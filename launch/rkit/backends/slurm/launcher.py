@@ -187,7 +187,7 @@ class SlurmStepBackend:
         self.agent_path = agent_path  # an image without rkit's agent: the bound copy's directory
         # How the nodes reach this host (its NodeAddr): the standby step's and the heartbeats' address.
         address = node_address(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
-        # The next attempt's step, started beside the live one (slurm_standby.py).
+        # The next attempt's step, started beside the live one (slurm/standby.py).
         self.standby = SlurmStandbyPool(self._cancel_step, address, self.healthy_nodes,
                                         tasks_per_node) if warm_standby else None
         # Every node's heartbeat and the probe step that confirms a silent node dead (liveness.py).
@@ -278,7 +278,7 @@ class SlurmStepBackend:
         return StepHandle.cold(request, proc)
 
     def poll(self, handle: StepHandle) -> dict[int, RankExit]:
-        """The ranks whose step ended, from srun's logs (slurm_steps.py)."""
+        """The ranks whose step ended, from srun's logs (slurm/steps.py)."""
         return handle.poll()
 
     def running(self, handle: StepHandle) -> list[int]:

@@ -1,5 +1,5 @@
 """The job steps of one Slurm attempt and what their srun logs say: a cold attempt is one step (`srun` of every
-rank); a warm one is the standby steps of its nodes, one per node (slurm_standby.py), watched together. Each
+rank); a warm one is the standby steps of its nodes, one per node (slurm/standby.py), watched together. Each
 step ends when its srun ends; its log says which task failed and how (Slurm's view of the step), whether Slurm
 could not start it, and which nodes Slurm reported dead.
 """
