@@ -214,7 +214,8 @@ def build(plan: BuildPlan, *, log: Path | None = None, echo: Callable[[str], Non
                 # temporary path is written into the definition the image keeps.
                 with contextlib.chdir(context):
                     for line in stream_command(argv, output_type="both"):
-                        fh.write(line)
+                        # Seconds since the build began on each line of the log: where a slow build spends its time.
+                        fh.write(f"[{time.time() - started:7.1f}s] {line}")
                         echo(line.rstrip("\n"))
             except subprocess.CalledProcessError as exc:
                 failed = exc.returncode
