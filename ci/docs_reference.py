@@ -154,8 +154,18 @@ def events() -> str:
 
 
 def exit_codes() -> str:
+    import importlib
+    import pkgutil
+
+    import rkit
     from rkit.contract import errors
     from rkit.run import policy
+
+    # Every module first: the error classes are found as subclasses, and which are defined depends on what is
+    # imported (a test session imports more than this script would).
+    for module in sorted(m.name for m in pkgutil.walk_packages(rkit.__path__, "rkit.")):
+        if not module.endswith("__main__"):
+            importlib.import_module(module)
 
     out = ["# Exit codes and causes", "", HEADER, "",
            "## How `rkit run` (and `rkit reproduce`, `rkit supervise`) ends", "",
