@@ -52,7 +52,6 @@ prometheus:
 # Everything: unit tests, real MaxText, real Apptainer, real Prometheus, and the Slurm tests on the test bed.
 test: setup-dev apptainer prometheus slurm-testbed
 	$(VENV)/bin/ruff check launch tests
-	$(PY) -m mkdocs build --strict --site-dir site
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The Slurm test bed (ci/slurm-testbed.sh: Slurm 24.11 + Apptainer in a Debian 13 root, 3 nodes; root on

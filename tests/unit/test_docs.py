@@ -1,7 +1,7 @@
 """The documentation: each generated reference page (ci/docs_reference.py) fails here while it is stale, as the
 golden files do, and names the command that rewrites it; the pages cover what the code has (every cause on the
 troubleshooting page, every command in the command table); the README stays short and its links resolve. The strict
-site build (warnings, broken links and anchors are errors) runs in `make test` itself (`make docs`)."""
+site build (warnings, broken links and anchors are errors) runs here, so `make test` builds the site once."""
 
 from __future__ import annotations
 
