@@ -1,6 +1,5 @@
 """Bit-reproducible images at their smallest real size: the base image (containers/base.def) built twice from
-nothing. Its own module, so that it runs beside the cpu image's build (tests/conftest.py puts the modules that need
-that image in the other xdist group)."""
+nothing. Its own module, in the image's xdist group (tests/conftest.py) since the cpu image's build got short."""
 
 from __future__ import annotations
 

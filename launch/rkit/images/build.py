@@ -137,7 +137,8 @@ def plan_build(flavor: str, overrides: dict[str, str] | None = None,
         args["SOURCE_DATE_EPOCH"] = str(epoch)
     material = {"definition_sha256": def_sha, "lock_sha256": lock_sha, "base_reference": base_reference,
                 "base_digest": base_digest, "rkit_agent_sha256": sha256_tree(PACKAGE),
-                "pyproject_sha256": sha256_file(REPO / "pyproject.toml")}
+                "pyproject_sha256": sha256_file(REPO / "pyproject.toml"),
+                "mksquashfs_args": imagerepro.mksquashfs_args()}
     debian_lock = debian_lock_path(flavor)
     if "DEBIAN_LOCK_SHA256" in declared:
         args["DEBIAN_LOCK_SHA256"] = material["debian_lock_sha256"] = sha256_file(debian_lock)
