@@ -109,13 +109,14 @@ MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 # the cpu image and everything that runs in it (its tests, the Slurm test bed's) in one, the rest (unit tests,
 # MaxText on the host, benchmarks) in the other, so that each group's session fixtures (the image, the cluster,
 # one clean run per recipe) are made once, and the Slurm tests' waits on Slurm overlap the host's training. The
-# report's and Prometheus' modules (one run of their own each), the damaged run directories' and the base image's
-# two builds go with the image group: in a fresh-clone run beside a CPU hog the host group's tests summed 4,834 s
-# and the image group's 4,200 s, 1,570 s of it the cpu image build at zstd level 15, which level 3 cut to a fifth.
-# (xdist's own --dist loadgroup cannot do it under pytest 9: it renames items through Item._nodeid, which pytest 9
-# no longer reads; the scheduler below groups by module instead.)
+# report's and Prometheus' modules (one run of their own each) go with the image group. Measured in a fresh-clone
+# run beside a CPU hog, with the cpu image squashed at zstd level 3 (a 310 s build there): the image group's tests
+# summed 2,044 s and the host group's 1,497 s with the damaged run directories' (79 s) and the base image's two
+# builds (198 s) in the image group, so those two are back in the host group. (xdist's own --dist loadgroup cannot
+# do it under pytest 9: it renames items through Item._nodeid, which pytest 9 no longer reads; the scheduler below
+# groups by module instead.)
 IMAGE_GROUP_MODULES = ("test_images.py", "test_slurm.py", "test_slurm_liveness.py", "test_report.py",
-                       "test_prometheus.py", "test_damaged_runs.py", "test_image_bytes.py")
+                       "test_prometheus.py")
 
 
 def xdist_scope(nodeid: str) -> str:

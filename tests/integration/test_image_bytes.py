@@ -1,5 +1,6 @@
 """Bit-reproducible images at their smallest real size: the base image (containers/base.def) built twice from
-nothing. Its own module, in the image's xdist group (tests/conftest.py) since the cpu image's build got short."""
+nothing. Its own module, so that it runs beside the cpu image's build (tests/conftest.py puts the modules that need
+that image in the other xdist group)."""
 
 from __future__ import annotations
 
