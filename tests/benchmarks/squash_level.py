@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rkit.images import repro as imagerepro
 from rkit.images.store import apptainer
 
 IMPORTS = "import jax, orbax.checkpoint; from maxtext.trainers.pre_train import train"
@@ -49,7 +50,7 @@ def main() -> None:
         for _ in range(args.builds):
             for level in args.levels:
                 builds[level].append(timed([exe, "build", "--force", "--mksquashfs-args",
-                                            f"-comp zstd -Xcompression-level {level}", str(sifs[level]), str(root)]))
+                                            imagerepro.mksquashfs_args(level), str(sifs[level]), str(root)]))
         for _ in range(args.imports):
             for level in args.levels:
                 imports[level].append(timed([exe, "exec", str(sifs[level]), "/opt/venv/bin/python", "-c", IMPORTS]))

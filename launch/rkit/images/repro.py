@@ -49,7 +49,7 @@ def iso(epoch: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
-def mksquashfs_args() -> str:
+def mksquashfs_args(level: int = 3) -> str:
     """zstd (the times come from SOURCE_DATE_EPOCH in mksquashfs's environment): a rank's imports read ~1 GB of
     the image (jaxlib, MaxText), decompressed again at every container start. Measured (cpu image, import of
     JAX, Orbax and MaxText's trainer, median of 6): 11.8 s gzip (Apptainer's default, 554 MB), 9.1 s zstd
@@ -57,7 +57,7 @@ def mksquashfs_args() -> str:
     the same root squashed side by side (2026-12-02), level 15 took 97-103 s for 445 MB and level 3 18.7-18.9 s
     for 510 MB, and the imports above took 8.60 s and 8.31 s (medians of 6, interleaved). Part of the image's
     cache key (images/build.py): other arguments, other bytes."""
-    return "-comp zstd -Xcompression-level 3"
+    return f"-comp zstd -Xcompression-level {level}"
 
 
 def normalize_sif(path: Path, epoch: int) -> dict[str, int]:
