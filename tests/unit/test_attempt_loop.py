@@ -32,6 +32,7 @@ PERIOD = 4
 class FakeRequest:
     attempt: int
     processes: int
+    trainer_args: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         return f"fake attempt {self.attempt}"
@@ -82,13 +83,15 @@ class FakeBackend:
         self.saves_on_request = True  # False: the trainer stops at the sync point without saving
         self.stops: list[float] = []
         self.gpu_checks: list[str] = []
+        self.requests: list[FakeRequest] = []
 
     def prepare(self, *, attempt, processes, trainer_args, base_env, attempt_dir, cwd, port=None, host_env=None):
-        if len(self.healthy_nodes()) < self.per_step:
+        if len(self.healthy_nodes()) < processes:  # one process per node
             raise NotEnoughNodes(self.healthy_nodes(), self.exclude)
         assert any(a.startswith("checkpoint_period=") for a in trainer_args)
         assert "enable_autocheckpoint=true" in trainer_args  # a SIGTERM saves at the sync point
-        return FakeRequest(attempt, processes)
+        self.requests.append(FakeRequest(attempt, processes, list(trainer_args)))
+        return self.requests[-1]
 
     def submit(self, request: FakeRequest) -> FakeHandle:
         start = maxtext.latest_committed_step(self.run)
@@ -175,7 +178,13 @@ class FakeBackend:
             handle.exits[rank] = RankExit(rank, -signal.SIGKILL if grace == 0 else -signal.SIGTERM)
 
     def nodes(self, handle: FakeHandle) -> list[str]:
-        return self.healthy_nodes()[: self.per_step]
+        return self.healthy_nodes()[: self.per_step if handle is None else len(handle.step)]
+
+    def lose_node(self, handle: FakeHandle, rank: int) -> str | None:
+        node = self.nodes(handle)[rank]
+        handle.exits[rank] = RankExit(rank, -signal.SIGKILL, node)
+        handle.failed_nodes.append(node)
+        return node
 
     def healthy_nodes(self) -> list[str]:
         return [n for n in self.all_nodes if n not in self.exclude]
@@ -297,6 +306,54 @@ def test_lost_node_without_a_spare_requeues(tmp_path):
     assert outcome.cause is Cause.NODE_FAIL and outcome.requeue
     nxt = attempt(sup)  # no healthy pair left: the allocation cannot go on
     assert nxt.cause is Cause.NODE_FAIL and nxt.requeue and events(sup.run, EV.ATTEMPT_NO_NODES)
+
+
+def test_a_lost_node_without_a_spare_shrinks_the_run_with_the_same_global_batch(tmp_path):
+    # resources.min_nodes=1: the second attempt trains on n1 alone, with twice the accumulation (the recipe's
+    # per_device_batch_size stays), restoring the last committed step; no requeue, no wait.
+    sup, backend = make(tmp_path, Script(node=(1, 7)), "resources.min_nodes=1", nodes=("n1", "n2"))
+    assert sup.run_to_end() is RunState.FINISHED
+    first, second = backend.requests
+    assert first.processes == 2 and not [a for a in first.trainer_args if a.startswith("gradient_accumulation")]
+    assert second.processes == 1 and "gradient_accumulation_steps=2" in second.trainer_args
+    assert "per_device_batch_size=1" in second.trainer_args
+    assert [e["decision"] for e in events(sup.run, EV.ATTEMPT_ENDED)] == ["restart", "finish"]
+    resized = events(sup.run, EV.RUN_RESIZED)
+    assert [(r["attempt"], r["node_count"], r["gradient_accumulation_steps"]) for r in resized] == [(2, 1, 2)]
+    assert resized[0]["reason"].startswith("shrunk")
+    shape = json.loads(sup.run.attempt_record(2).read_text())["shape"]
+    assert shape == {"nodes": 1, "full_nodes": 2, "processes": 1, "gradient_accumulation_steps": 2,
+                     "per_device_batch_size": 1.0}
+    assert events(sup.run, EV.ATTEMPT_STARTED)[1]["nodes"] == ["n1"]
+    assert not events(sup.run, EV.ATTEMPT_NO_NODES) and not events(sup.run, EV.JOB_REQUEUE_REQUESTED)
+
+
+def test_a_shrunk_run_grows_back_when_a_requeue_brings_the_nodes(tmp_path):
+    sup, backend = make(tmp_path, Script(node=(1, 7)), "resources.min_nodes=1", nodes=("n1", "n2"))
+    attempt(sup)
+    shrunk = attempt(sup)
+    assert shrunk.cause is Cause.COMPLETED and backend.requests[-1].processes == 1
+    # The requeued job's supervisor, two healthy nodes again: full size, said as such.
+    again = Supervisor(run=sup.run, config=sup.config, injections=[], backend=FakeBackend(sup.run, [], Script(),
+                       nodes=("n1", "n3")), base_env={}, jax_cache_dir=sup.jax_cache_dir, poll_seconds=0,
+                       clock=Clock())
+    again._resize(3)
+    assert again.processes == 2 and events(sup.run, EV.RUN_RESIZED)[-1]["reason"] == "grown back to the full size"
+
+
+def test_when_short_wait_requeues_for_the_full_size(tmp_path):
+    sup, backend = make(tmp_path, Script(node=(1, 7)), "resources.min_nodes=1", "resources.when_short=wait",
+                        nodes=("n1", "n2"))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.NODE_FAIL and outcome.requeue and not events(sup.run, EV.RUN_RESIZED)
+
+
+def test_a_job_started_on_fewer_nodes_trains_shrunk_from_its_first_attempt(tmp_path):
+    # sbatch --nodes=1-2: Slurm started the job on the one node it had free.
+    sup, backend = make(tmp_path, Script(), "resources.min_nodes=1", nodes=("n1",))
+    assert attempt(sup).cause is Cause.COMPLETED
+    assert backend.requests[0].processes == 1 and "gradient_accumulation_steps=2" in backend.requests[0].trainer_args
+    assert events(sup.run, EV.RUN_RESIZED)[0]["attempt"] == 1
 
 
 def test_preemption_saves_and_requeues(tmp_path):

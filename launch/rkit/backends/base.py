@@ -175,6 +175,11 @@ class Backend(Protocol[RequestT, HandleT]):
         """Live ranks in the stopped state (SIGSTOP, a debugger): hung for sure."""
         ...
 
+    def lose_node(self, handle: HandleT, rank: int) -> str | None:
+        """The lose_node injection: rank's node crashes for good and is reported dead with the attempt (its name);
+        None where nodes are real (Slurm: crash one)."""
+        ...
+
     def dump_stacks(self, handle: HandleT, out_dir: Path, stopped: list[int]) -> str:
         """Every live rank's Python stacks into `out_dir`; returns how."""
         ...

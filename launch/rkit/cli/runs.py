@@ -46,7 +46,8 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @click.option("--resume", is_flag=True, help="Continue an existing run of the same name and config.")
 @click.option("--inject", "injects", multiple=True, metavar="SPEC",
               help="Inject a fault: kill:rank=R,step=S | exit:rank=R,step=S[,code=C] | hang:rank=R,step=S "
-                   "| sigterm:step=S (add ,repeat=true to fire every attempt).")
+                   "| sigterm:step=S | preempt:step=S (Slurm) | lose_node:rank=R,step=S (local, with "
+                   "resources.min_nodes) (add ,repeat=true to fire every attempt).")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 @click.option("--wait", is_flag=True, help="launcher: slurm: follow the job until the run ends.")
 @click.option("--dry-run", is_flag=True, help="Print the plan `rkit run` executes: the sbatch script (Slurm) or "
@@ -62,7 +63,7 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     from rkit.runtime.inject import parse_injections
 
     loaded = load_recipe(recipe, overrides)
-    injections = parse_injections(injects, loaded.processes, loaded.total_steps)
+    injections = parse_injections(injects, loaded.processes, loaded.total_steps, loaded.config)
     if dry_run:
         click.echo(runner.dry_run(loaded, injections, resume=resume))
         return

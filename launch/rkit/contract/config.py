@@ -36,10 +36,22 @@ class Resources:
     nodes: int
     processes_per_node: int
     gpus_per_node: int | None = None  # no schema default: a recipe without it keeps its config hash
+    min_nodes: int | None = None  # elastic shrink (run/elastic.py); None: nodes, no shrink
+    when_short: str | None = None  # "continue" (None) or "wait"
 
     @property
     def processes(self) -> int:
         return int(self.nodes) * int(self.processes_per_node)
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes an attempt may train on: min_nodes, or nodes when the recipe does not shrink."""
+        return int(self.nodes) if self.min_nodes is None else min(int(self.min_nodes), int(self.nodes))
+
+    @property
+    def elastic(self) -> bool:
+        """Shrinks now when nodes are lost: min_nodes below nodes and the policy is to continue."""
+        return self.fewest_nodes < int(self.nodes) and self.when_short != "wait"
 
 
 @dataclass(frozen=True)

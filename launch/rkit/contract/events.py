@@ -27,6 +27,7 @@ class EV:
     ATTEMPT_STACKS_DUMPED = "attempt.stacks_dumped"
     ATTEMPT_NO_NODES = "attempt.no_nodes"
     ATTEMPT_ENDED = "attempt.ended"
+    RUN_RESIZED = "run.resized"  # the next attempt trains on another node count (resources.min_nodes): nodes, why
     AGENT_STARTED = "agent.started"  # a rank's agent began (warm: a standby took the rank)
     AGENT_READY = "agent.ready"  # MaxText imported, jax.distributed set up: then restore and compile
     IMAGE_REBUILT = "image.rebuilt"  # the SIF's bytes changed, its environment did not: the run goes on
@@ -55,7 +56,8 @@ class EV:
 # or whose `event` is not a name, or any of these of another type, is damaged and skipped.
 EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("attempt", "rank", "resume_from_step", "committed_step", "last_step", "exit_code",
-                     "restart_count", "processes", "index", "requested_at_step"), int),
+                     "restart_count", "processes", "index", "requested_at_step", "full_nodes", "node_count",
+                     "gradient_accumulation_steps"), int),
     "step": (int, str),  # a training step, or a standby step's name (`standby` notes: "standby-2")
     **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
                      "name", "what", "received", "config_hash"), str),

@@ -24,7 +24,7 @@ from rkit.runtime.telemetry import metrics
 
 FAULT_EVENTS = (EV.INJECT_FIRED, EV.ATTEMPT_FAILED, EV.ATTEMPT_HANG, EV.PREEMPT_REQUESTED, EV.PREEMPT_SAVED,
                 EV.PREEMPT_UNSAVED, EV.PREEMPT_ESCALATED, EV.NODES_EXCLUDED, EV.JOB_REQUEUED, EV.DISK_LOW,
-                EV.NODE_STRAGGLER, EV.ATTEMPT_NO_NODES, EV.CHECKPOINT_QUARANTINED)
+                EV.NODE_STRAGGLER, EV.ATTEMPT_NO_NODES, EV.CHECKPOINT_QUARANTINED, EV.RUN_RESIZED)
 PLOTS = {"loss": "loss", "tokens_per_sec": "tokens/s (all processes)", "step_time": "step time (s)"}
 CAUSE_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 

@@ -20,7 +20,7 @@ from rkit.backends.slurm.launcher import OWNED_OPTIONS as SLURM_OWNED_OPTIONS
 from rkit.backends.slurm.launcher import owned_option as owned_sbatch_option
 from rkit.contract.config import Config
 from rkit.contract.defaults import apply_defaults, schema  # noqa: F401
-from rkit.contract.errors import Problem, RecipeError
+from rkit.contract.errors import Problem, RecipeError, RkitError
 from rkit.contract.stamp import (  # noqa: F401 - the hash helpers are reached through this module
     IDENTITY_KEYS,
     canonical_json,
@@ -45,6 +45,7 @@ from rkit.recipe.yaml_text import (  # noqa: F401 - parse_override_value: tests 
     unsafe_path_chars,
     yaml_problem,
 )
+from rkit.run import elastic
 from rkit.runtime.trainers.maxtext import OWNED_KEYS as OWNED_MAXTEXT_KEYS
 
 
@@ -166,10 +167,13 @@ def _semantic_problems(data: dict) -> list[Problem]:
                 problems.append(Problem(f"trainer.overrides.{key}", "an interpolation (${...}) is resolved by "
                                         "MaxText outside the config hash and printed into the rank logs; write "
                                         "the value itself."))
+    problems.extend(_elastic_problems(data))
     if data.get("launcher") == "local" and isinstance(data.get("resources"), dict) \
-            and data["resources"].get("nodes", 1) != 1:
+            and data["resources"].get("nodes", 1) != 1 and not _shrinks(data["resources"]):
         problems.append(Problem("resources.nodes", "the local launcher runs on one node; set 1, or use "
-                                                   "launcher: slurm for several."))
+                                                   "launcher: slurm for several (or set resources.min_nodes "
+                                                   "below it to rehearse elastic shrink: every node's processes "
+                                                   "then run on this machine)."))
     res, slurm = data.get("resources"), data.get("slurm")
     if isinstance(res, dict) and isinstance(res.get("processes_per_node"), int) and res["processes_per_node"] > 1:
         gpus = res.get("gpus_per_node")
@@ -216,6 +220,26 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                            "recipes are copied into the run directory and its records. Give it "
                                            "through the environment of `rkit run` instead."))
     return problems
+
+
+def _shrinks(res: dict) -> bool:
+    return isinstance(res.get("min_nodes"), int) and isinstance(res.get("nodes"), int) \
+        and res["min_nodes"] < res["nodes"]
+
+
+def _elastic_problems(data: dict) -> list[Problem]:
+    """resources.min_nodes: at most nodes, and a recipe that can shrink (run/elastic.py)."""
+    res = data.get("resources")
+    if not isinstance(res, dict) or not isinstance(res.get("min_nodes"), int) or not isinstance(res.get("nodes"), int):
+        return []
+    if res["min_nodes"] > res["nodes"]:
+        return [Problem("resources.min_nodes", f"{res['min_nodes']} is more than resources.nodes ({res['nodes']}); "
+                                               "give at most nodes (fewer lets an attempt shrink).")]
+    try:
+        config = Config.from_resolved(data)
+    except RkitError:
+        return []  # the schema's problems say why
+    return elastic.problems(config)
 
 
 def _paths_of_strings(value: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str, str]]:

@@ -13,6 +13,7 @@ from rkit.backends.base import Backend, Request
 from rkit.contract.config import Config
 from rkit.contract.rundir import UMASK_ENV, RunDir, umask_for
 from rkit.images.identity import ImageIdentity
+from rkit.run import elastic
 from rkit.runtime import devices
 from rkit.runtime.inject import Injection
 from rkit.runtime.trainers import maxtext
@@ -20,10 +21,11 @@ from rkit.runtime.trainers import maxtext
 
 def attempt_request(backend: Backend[Any, Any], config: Config, run: RunDir, image: ImageIdentity | None,
                     base_env: dict[str, str], host_env: dict[str, str], jax_cache_dir: str, attempt: int,
-                    in_trainer: list[Injection], attempt_dir: Path) -> Request:
+                    in_trainer: list[Injection], attempt_dir: Path, shape: elastic.Shape | None = None) -> Request:
     """What the backend starts for one attempt: each rank's command line and environment (pure but for the
     coordinator port a local backend picks). The plan (run/plan.py) makes the first attempt's; the supervisor
-    every later one."""
+    every later one, at the size it chose (`shape`: run/elastic.py; the recipe's full size by default)."""
+    shape = shape or elastic.shape(config)
     env = dict(base_env)
     env.update({"RKIT_RUN_DIR": str(run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
                 "RKIT_BASE_CONFIG": config.trainer.base_config, UMASK_ENV: f"{umask_for(config.access):03o}",
@@ -31,8 +33,9 @@ def attempt_request(backend: Backend[Any, Any], config: Config, run: RunDir, ima
                 devices.GPUS_ENV: str(config.gpus_per_node),
                 devices.PER_NODE_ENV: str(config.resources.processes_per_node),
                 devices.VENDOR_ENV: devices.vendor_of(image.gpu_flags if image else ())})
-    args = maxtext.maxtext_overrides(config, run, jax_cache_dir)
-    return backend.prepare(attempt=attempt, processes=config.processes, trainer_args=args, base_env=env,
+    args = maxtext.maxtext_overrides(config, run, jax_cache_dir,
+                                     shape.gradient_accumulation_steps if shape.shrunk else None)
+    return backend.prepare(attempt=attempt, processes=shape.processes, trainer_args=args, base_env=env,
                            attempt_dir=attempt_dir, cwd=Path.cwd(), host_env=host_env)
 
 

@@ -130,7 +130,8 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
     resilience = recipe.config.resilience
     backend = LocalBackend(container=container,
                            warm_standby=resilience.standby_on(res.processes_per_node * res.nodes, os.cpu_count()),
-                           jax_heartbeat_seconds=resilience.local_jax_heartbeat_seconds)
+                           jax_heartbeat_seconds=resilience.local_jax_heartbeat_seconds, nodes=res.nodes,
+                           processes_per_node=res.processes_per_node)
     # Every injection is pending at a start: execute's run.submitted / run.resumed event begins their count.
     request = attempt_request(backend, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
                               first, [i for i in injections if i.in_trainer], run.attempt_dir(first))

@@ -21,7 +21,7 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.images.identity import ImageIdentity
 from rkit.readers import outcome as run_outcome
-from rkit.run import preflight
+from rkit.run import elastic, preflight
 from rkit.run.attempt import attempt_request
 from rkit.run.attemptrecord import close_record, refuse_if_alive, started_at
 from rkit.run.attemptwatch import AttemptWatch
@@ -65,7 +65,9 @@ class Supervisor:
     planned: tuple[int, list[int], Request] | None = None  # the plan's first attempt: (number, injections, request)
     _interrupted: bool = field(default=False, init=False)
     _preempt: str | None = field(default=None, init=False)
+    _by_supervisor: list[Injection] = field(default_factory=list, init=False)  # preempt, lose_node: pending
     step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
+    shape: elastic.Shape | None = field(default=None, init=False)  # the current attempt's size (run/elastic.py)
 
     # ------------------------------------------------------------ signals
 
@@ -83,10 +85,11 @@ class Supervisor:
         """What the backend starts for this attempt: the plan's request for the attempt it planned (what
         `rkit run --dry-run` printed), else one made the same way (attempt_request)."""
         planned, self.planned = self.planned, None
-        if planned is not None and planned[0] == attempt and planned[1] == [i.index for i in in_trainer]:
+        if planned is not None and planned[0] == attempt and planned[1] == [i.index for i in in_trainer] \
+                and not (self.shape and self.shape.shrunk):
             return planned[2]
         return attempt_request(self.backend, self.config, self.run, self.image, self.base_env, self.host_env,
-                               self.jax_cache_dir, attempt, in_trainer, attempt_dir)
+                               self.jax_cache_dir, attempt, in_trainer, attempt_dir, self.shape)
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self.request_stop)
@@ -96,7 +99,27 @@ class Supervisor:
 
     @property
     def processes(self) -> int:
-        return self.config.processes
+        return (self.shape or elastic.shape(self.config)).processes
+
+    def _resize(self, attempt: int) -> bool:
+        """The next attempt's size from the healthy nodes (run/elastic.py); a change is an event. False when
+        too few are healthy to train here."""
+        size = elastic.size_for(self.config, len(self.backend.healthy_nodes()))
+        if size is None:
+            return False
+        if self.shape is not None:
+            before = self.shape.nodes
+        else:  # this supervisor's first attempt: the size the run's last attempt had (a requeue may grow it back)
+            before = next((e.get("node_count") for e in reversed(self.run.events())
+                           if e.get("event") == EV.RUN_RESIZED), self.config.resources.nodes)
+        self.shape = elastic.shape(self.config, size)
+        if before != size:
+            self.run.emit(EV.RUN_RESIZED, attempt=attempt, node_count=size, full_nodes=self.shape.full_nodes,
+                          processes=self.shape.processes,
+                          gradient_accumulation_steps=self.shape.gradient_accumulation_steps,
+                          reason="shrunk: nodes lost and no spare left; the global batch is kept by accumulation"
+                          if self.shape.shrunk else "grown back to the full size")
+        return True
 
     def final_committed(self) -> bool:
         latest = maxtext.latest_committed_step(self.run)
@@ -184,6 +207,7 @@ class Supervisor:
         attempt = self.next_attempt_number()
         attempt_dir = self.run.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=False)
+        sized = self._resize(attempt)
         self._check_checkpoints()
         committed_before = maxtext.latest_committed_step(self.run)
         # Earlier attempts' summaries of the steps this one trains again are dropped by TensorBoard (tbmarks.py).
@@ -201,8 +225,11 @@ class Supervisor:
             tail.skip_existing()
         in_trainer = [i for i in injections if i.in_trainer]
         sigterm_at = min((i for i in injections if i.kind == "sigterm"), key=lambda i: i.step, default=None)
+        self._by_supervisor = [i for i in injections if i.kind in ("preempt", "lose_node")]
 
         try:
+            if not sized:
+                raise NotEnoughNodes(self.backend.healthy_nodes(), self.excluded())
             request = self.launch_request(attempt, in_trainer, attempt_dir)
         except NotEnoughNodes as exc:
             self.run.emit(EV.ATTEMPT_NO_NODES, attempt=attempt, healthy=exc.healthy, excluded=exc.excluded)
@@ -212,7 +239,7 @@ class Supervisor:
                 "excluded_nodes": self.excluded(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                 "image": None if self.image is None else {"path": self.image.path, "sha256": self.image.sha256},
                 "resume_from_step": committed_before, "injections": [i.spec for i in injections],
-                "launch": request.as_record(self.run.path)}
+                "launch": request.as_record(self.run.path), "shape": self.shape.as_record()}
         try:
             handle = self.backend.submit(request)
         except OSError as exc:
@@ -225,6 +252,7 @@ class Supervisor:
             write_json_atomic(self.run.attempt_record(attempt), info)
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                           nodes=info["nodes"], processes=self.processes, injections=info["injections"],
+                          gradient_accumulation_steps=self.shape.gradient_accumulation_steps,
                           **({"tensorboard": tb_note} if tb_note else {}))
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
                                  oom=OomWatch.of(list(info["pids"].values())))
@@ -269,6 +297,7 @@ class Supervisor:
                     self.run.emit(EV.STANDBY, attempt=attempt, **note)
             dead = self._liveness(attempt, watch) if ending is None else {}
             if ending is None:
+                self._fire(handle, attempt, watch.progress.step)
                 observed = self._observe(handle, watch, exits, sigterm_at, dead)
                 ending = classify(observed)
                 if ending is not None:
@@ -408,10 +437,20 @@ class Supervisor:
         exclude = self.backend.exclude
         exclude.extend(n for n in nodes if n not in exclude)
         healthy = self.backend.healthy_nodes()
-        needed = self.config.resources.nodes
         self.run.emit(EV.NODES_EXCLUDED, nodes=nodes, excluded=list(exclude), healthy=healthy,
                       reason=reason)
-        return len(healthy) < needed
+        return elastic.size_for(self.config, len(healthy)) is None
+
+    def _fire(self, handle: Handle, attempt: int, step: int | None) -> None:
+        """The supervisor's own injections at their step: preempt (Slurm's USR1, as request_preempt) and
+        lose_node (the local launcher's node crash)."""
+        for inj in [i for i in self._by_supervisor if step is not None and step >= i.step]:
+            self._by_supervisor.remove(inj)
+            node = self.backend.lose_node(handle, inj.rank) if inj.kind == "lose_node" else None
+            self.run.emit(EV.INJECT_FIRED, index=inj.index, kind=inj.kind, step=step, attempt=attempt,
+                          spec=inj.spec, **({"node": node} if node else {}))
+            if inj.kind == "preempt":
+                self._preempt = "SIGUSR1 (injected)"
 
     @property
     def _grace(self) -> float:

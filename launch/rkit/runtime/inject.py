@@ -7,6 +7,11 @@ hang:rank=R,step=S          rank R stops (SIGSTOP of its process) at step S: it 
                             advances, so the supervisor's hang detection has to notice, dump and replace it
 sigterm:step=S              the preemption path: the supervisor asks every rank to save (SIGTERM),
                             waits the grace period, SIGKILLs what is left, and starts a new attempt
+preempt:step=S              Slurm's time-limit/preemption signal (USR1) at step S: the same save and stop,
+                            then the job is requeued (launcher: slurm)
+lose_node:rank=R,step=S     rank R's node is lost for good at step S (its ranks SIGKILLed, the node reported
+                            dead): the local launcher's rehearsal of a node crash with no spare, for a recipe
+                            with resources.min_nodes below nodes
 Add `repeat=true` to fire in every attempt (a deterministic failure); by default an injection fires once.
 """
 
@@ -14,11 +19,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from rkit.contract.config import Config
 from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 
-KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
-REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"}}
+KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"rank", "step"}, "sigterm": {"step"},
+         "preempt": {"step"}, "lose_node": {"rank", "step"}}
+REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"},
+            "preempt": {"step"}, "lose_node": {"rank", "step"}}
+SUPERVISOR_KINDS = ("sigterm", "preempt", "lose_node")  # fired by the supervisor, not in the rank
 FIRED_EVENT = EV.INJECT_FIRED
 
 
@@ -34,7 +43,8 @@ class Injection:
 
     @property
     def in_trainer(self) -> bool:
-        """kill, exit and hang act inside the rank's own process; sigterm is the supervisor's preemption path."""
+        """kill, exit and hang act inside the rank's own process; sigterm, preempt and lose_node are the
+        supervisor's."""
         return self.kind in ("kill", "exit", "hang")
 
     def as_dict(self) -> dict:
@@ -81,10 +91,20 @@ def parse_injection(spec: str, index: int = 0) -> Injection:
 
 
 def parse_injections(specs: list[str] | tuple[str, ...], processes: int,
-                     steps: int | None = None) -> list[Injection]:
-    """The --inject specs, checked against the run: its ranks, and its steps (0..steps-1, MaxText's numbers)."""
+                     steps: int | None = None, config: Config | None = None) -> list[Injection]:
+    """The --inject specs, checked against the run: its ranks, its steps (0..steps-1, MaxText's numbers) and, for
+    preempt and lose_node, its launcher."""
     injections = [parse_injection(spec, i) for i, spec in enumerate(specs)]
     for inj in injections:
+        if config is not None and inj.kind == "preempt" and config.launcher != "slurm":
+            raise RkitError(f"--inject {inj.spec!r}: preempt is Slurm's signal and requeue (launcher: slurm); "
+                            "locally, sigterm:step=S takes the same save and stop.")
+        if config is not None and inj.kind == "lose_node" and (config.launcher != "local"
+                                                               or not config.resources.elastic):
+            raise RkitError(f"--inject {inj.spec!r}: lose_node rehearses a node crash on the local launcher with "
+                            "resources.min_nodes below resources.nodes (e.g. -o resources.nodes=2 -o "
+                            "resources.processes_per_node=1 -o resources.min_nodes=1); on Slurm, crash a node "
+                            "for real.")
         if inj.rank is not None and inj.rank >= processes:
             raise RkitError(f"--inject {inj.spec!r}: rank {inj.rank} does not exist; "
                             f"this run has ranks 0..{processes - 1}.")

@@ -37,6 +37,7 @@ class LaunchRequest:
     attempt: int
     ranks: list[RankLaunch]
     cwd: Path
+    nodes: tuple[str, ...] = ()  # the attempt's (virtual) nodes; () for the machine itself
 
     def describe(self) -> str:
         return "\n".join(f"rank {r.rank}: {' '.join(r.argv)}  > {r.log}" for r in self.ranks)
@@ -95,12 +96,16 @@ class Container:
 
 
 class LocalBackend:
-    """Every rank on this machine; nodes cannot be chosen, so nothing is ever excluded."""
+    """Every rank on this machine. With one node (the recipes' usual case), nodes cannot be chosen and nothing is
+    ever excluded. With several (an elastic recipe's rehearsal: resources.min_nodes), each node is a virtual one,
+    `<host>-node<i>` with its processes_per_node ranks, which the `lose_node` injection can lose for good (as a
+    crashed node with no spare): the next attempt then trains on the others."""
 
     name = "local"
 
     def __init__(self, python: str | None = None, container: Container | None = None, warm_standby: bool = False,
-                 jax_heartbeat_seconds: int | None = None):
+                 jax_heartbeat_seconds: int | None = None, nodes: int = 1, processes_per_node: int = 1):
+        self.node_count, self.per_node = nodes, processes_per_node
         self.python = python or sys.executable
         self.jax_heartbeat_seconds = jax_heartbeat_seconds  # Resilience.local_jax_heartbeat_seconds
         self.container = container
@@ -126,7 +131,8 @@ class LocalBackend:
             else:
                 argv = [self.python, *argv]
             ranks.append(RankLaunch(rank=rank, argv=argv, env=env, log=attempt_dir / RunDir.rank_log_name(rank)))
-        return LaunchRequest(attempt=attempt, ranks=ranks, cwd=cwd)
+        nodes = tuple(self.healthy_nodes()[: -(-processes // self.per_node)]) if self.node_count > 1 else ()
+        return LaunchRequest(attempt=attempt, ranks=ranks, cwd=cwd, nodes=nodes)
 
     def submit(self, request: LaunchRequest) -> LocalAttempt:
         """Each rank gets the read end of a pipe only this process writes to (agent.watch_supervisor): when the
@@ -201,10 +207,26 @@ class LocalBackend:
         handle.release()
 
     def nodes(self, handle: LocalAttempt) -> list[str]:
-        return [socket.gethostname()]
+        return list(handle.request.nodes) or [socket.gethostname()]
 
     def healthy_nodes(self) -> list[str]:
-        return [socket.gethostname()]
+        host = socket.gethostname()
+        if self.node_count == 1:
+            return [host]
+        return [name for i in range(self.node_count) if (name := f"{host}-node{i}") not in self.exclude]
+
+    def lose_node(self, handle: LocalAttempt, rank: int) -> str | None:
+        """The `lose_node` injection: rank's virtual node crashes (its ranks are SIGKILLed) and is reported dead
+        with the attempt, as srun reports a node failure; the supervisor then leaves it out. None on one node."""
+        if not handle.request.nodes or rank >= len(handle.request.ranks):
+            return None
+        index = rank // self.per_node
+        node = handle.request.nodes[index]
+        handle.failed_nodes.append(node)
+        for r, proc in handle.procs.items():
+            if r // self.per_node == index and r not in handle.exits:
+                self._signal_group(proc, signal.SIGKILL)
+        return node
 
     def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
         return {}, None  # one machine: the supervisor sees what its ranks see

@@ -48,7 +48,7 @@ from rkit.run.liveness import HeartbeatListener, NodeLiveness
 OWNED_OPTIONS = {
     "--requeue": "always on", "--no-requeue": "rkit requeues", "--signal": "slurm.signal_lead_seconds",
     "--parsable": "always on", "--output": "the run directory", "--error": "the run directory",
-    "--open-mode": "append", "--nodes": "resources.nodes + slurm.spare_nodes",
+    "--open-mode": "append", "--nodes": "resources.nodes (min_nodes) + slurm.spare_nodes",
     "--ntasks-per-node": "resources.processes_per_node", "--ntasks": "resources", "--job-name": "name",
     "--partition": "slurm.partition", "--account": "slurm.account", "--qos": "slurm.qos", "--time": "slurm.time",
     "--gpus-per-node": "slurm.gpus_per_node", "--exclusive": "slurm.exclusive", "--wrap": "the batch script",
@@ -82,7 +82,7 @@ def sbatch_options(config: Config) -> list[str]:
     """Every option from the recipe, one argv item each."""
     slurm, res = config.slurm, config.resources
     opts = ["--parsable", "--requeue", f"--signal=B:USR1@{slurm.signal_lead_seconds}",
-            f"--job-name={config.name}", f"--nodes={res.nodes + slurm.spare_nodes}",
+            f"--job-name={config.name}", f"--nodes={nodes_option(config)}",
             f"--ntasks-per-node={res.processes_per_node}"]
     for value, flag in ((slurm.partition, "--partition"), (slurm.account, "--account"), (slurm.qos, "--qos"),
                         (slurm.time, "--time")):
@@ -92,11 +92,20 @@ def sbatch_options(config: Config) -> list[str]:
         opts.append(f"--gpus-per-node={slurm.gpus_per_node}")
     if slurm.exclusive:
         opts.append("--exclusive")
-    if slurm.spare_nodes:
-        # A dead node must not end the job when a spare can replace it: the supervisor excludes it instead.
+    if slurm.spare_nodes or res.fewest_nodes < res.nodes:
+        # A dead node must not end the job when a spare can replace it, or the others train on without it
+        # (resources.min_nodes): the supervisor excludes it instead.
         opts.append("--no-kill")
     opts.extend(slurm.extra_sbatch)
     return opts
+
+
+def nodes_option(config: Config) -> str:
+    """sbatch --nodes: the attempt's nodes and the spares; with resources.min_nodes and when_short continue, a
+    range from min_nodes, so that Slurm starts the job on fewer nodes rather than wait for all of them (sbatch
+    allocates as many as it can within the range without delaying the start)."""
+    res, most = config.resources, config.resources.nodes + config.slurm.spare_nodes
+    return f"{res.fewest_nodes}-{most}" if res.elastic else str(most)
 
 
 def render_batch(run: RunDir, config: Config, python: str, sbatch: str = "sbatch") -> BatchRequest:
@@ -221,9 +230,10 @@ class SlurmStepBackend:
                 attempt_dir: Path, cwd: Path, port: int | None = None,
                 host_env: dict[str, str] | None = None) -> StepRequest:
         healthy = self.healthy_nodes()
-        if len(healthy) < self.nodes_per_step:
+        count = max(1, processes // self.tasks_per_node)  # fewer than nodes_per_step when shrunk (run/elastic.py)
+        if len(healthy) < count:
             raise NotEnoughNodes(healthy, self.exclude)
-        nodes = healthy[: self.nodes_per_step]
+        nodes = healthy[:count]
         job_id = os.environ.get("SLURM_JOB_ID", "0")
         address = node_address(nodes[0])
         coordinator = f"{address}:{port or free_coordinator_port(address, job_id, attempt)}"
@@ -341,6 +351,9 @@ class SlurmStepBackend:
 
     def stopped_ranks(self, handle: StepHandle) -> list[int]:
         return []  # the ranks' processes are on other nodes
+
+    def lose_node(self, handle: StepHandle, rank: int) -> str | None:
+        return None  # real nodes: the injection is refused for launcher: slurm (inject.parse_injections)
 
     def dump_stacks(self, handle: StepHandle, out_dir: Path, stopped: list[int]) -> str:
         """SIGQUIT to every task of the step (the agents' faulthandler writes stacks/rank-<r>.txt), then SIGCONT

@@ -48,11 +48,16 @@ def _render(value: Any) -> str:
     return str(value)
 
 
-def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str) -> list[str]:
+def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str,
+                      gradient_accumulation_steps: int | None = None) -> list[str]:
     """MaxText key=value arguments, the same for every rank: the recipe's overrides, then the settings rkit
-    owns. Each rank's agent adds its own `metrics_file` (see `rank_overrides`)."""
+    owns. Each rank's agent adds its own `metrics_file` (see `rank_overrides`). An attempt on fewer nodes than
+    the recipe's (run/elastic.py) gives the accumulation that keeps its global batch."""
     ckpt = config.checkpoint
-    args = [f"{k}={_render(v)}" for k, v in sorted((config.trainer.overrides or {}).items()) if v is not None]
+    overrides = dict(config.trainer.overrides or {})
+    if gradient_accumulation_steps is not None:
+        overrides["gradient_accumulation_steps"] = gradient_accumulation_steps
+    args = [f"{k}={_render(v)}" for k, v in sorted(overrides.items()) if v is not None]
     owned = {
         "steps": config.trainer.steps,
         "base_output_directory": str(run.maxtext_base.resolve()),

@@ -1,0 +1,151 @@
+"""Elastic shrink (`resources.min_nodes`): which node counts an attempt may train on when nodes are lost and no
+spare is left, and what each count changes in MaxText's settings so that the global batch stays the same.
+
+MaxText's global batch is devices x per_device_batch_size x gradient_accumulation_steps (its config's
+calculate_global_batch_sizes), and every node has the same devices. On n of N nodes an attempt keeps
+per_device_batch_size and trains with gradient_accumulation_steps x N / n: the same tokens per step, the same
+synthetic batch (MaxText draws it once, from PRNGKey(0), in the global batch's shape). Only node counts where
+that is a whole number are used. Orbax restores the last committed checkpoint into the smaller mesh's shardings
+(the arrays' global shapes do not depend on the data-parallel degree); only an auto (-1) data-parallel mesh axis
+may absorb the change, so a recipe whose mesh cannot shrink is refused before anything starts (`problems`).
+
+Pure: reads the recipe's values (and its base config file where it is one on this host), never the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rkit.contract.config import Config
+from rkit.contract.errors import Problem
+
+# MaxText's configs/base.yml values of the keys elastic shrink reads, where neither the recipe's overrides nor a
+# base config file on this host sets them.
+MAXTEXT_DEFAULTS: dict[str, Any] = {"per_device_batch_size": 12.0, "gradient_accumulation_steps": 1,
+                                    "dataset_type": "synthetic", "ici_fsdp_parallelism": -1,
+                                    "dcn_data_parallelism": -1}
+DATA_AXES = ("data", "fsdp", "fsdp_transpose")  # the mesh axes whose size is the data-parallel degree
+# Data pipelines whose position carries over to fewer processes. Synthetic data has none. Grain saves one
+# iterator per process (a smaller attempt cannot restore them), and tfds and hf start their iterators over.
+CARRIED_DATA = ("synthetic",)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attempt's size: its nodes and processes, and the accumulation that keeps the global batch."""
+
+    nodes: int
+    full_nodes: int
+    processes: int
+    gradient_accumulation_steps: int
+    per_device_batch_size: float
+
+    @property
+    def shrunk(self) -> bool:
+        return self.nodes < self.full_nodes
+
+    def as_record(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "full_nodes": self.full_nodes, "processes": self.processes,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "per_device_batch_size": self.per_device_batch_size}
+
+
+def setting(config: Config, key: str) -> Any:
+    """MaxText's value of `key` for this recipe: its override, its base config file's, or base.yml's."""
+    overrides = config.trainer.overrides or {}
+    if key in overrides:
+        return overrides[key]
+    return _base_file_values(config.trainer.base_config).get(key, MAXTEXT_DEFAULTS.get(key, 1))
+
+
+def _base_file_values(base_config: str) -> dict[str, Any]:
+    """A recipe's base config, where it is a YAML file on this host (MaxText's shipped names use base.yml's
+    values); what cannot be read adds nothing."""
+    path = Path(base_config)
+    if path.name == "base.yml" or not path.is_file():
+        return {}
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f.read(1 << 20))
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def accumulation(config: Config) -> int:
+    value = setting(config, "gradient_accumulation_steps")
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1
+
+
+def sizes(config: Config) -> list[int]:
+    """The node counts an attempt may train on, largest first: nodes, then each count down to min_nodes whose
+    accumulation (gradient_accumulation_steps x nodes / count) is a whole number."""
+    full, grad = int(config.resources.nodes), accumulation(config)
+    return [n for n in range(full, config.resources.fewest_nodes - 1, -1) if (grad * full) % n == 0]
+
+
+def shape(config: Config, nodes: int | None = None) -> Shape:
+    res = config.resources
+    full = int(res.nodes)
+    nodes = full if nodes is None else nodes
+    pdb = setting(config, "per_device_batch_size")
+    return Shape(nodes=nodes, full_nodes=full, processes=nodes * int(res.processes_per_node),
+                 gradient_accumulation_steps=accumulation(config) * full // nodes,
+                 per_device_batch_size=float(pdb) if isinstance(pdb, (int, float)) else 0.0)
+
+
+def size_for(config: Config, healthy: int) -> int | None:
+    """How many of `healthy` nodes the next attempt trains on; None when it cannot go on here (requeue)."""
+    if healthy >= int(config.resources.nodes):
+        return int(config.resources.nodes)
+    if not config.resources.elastic:
+        return None
+    return next((n for n in sizes(config) if n <= healthy), None)
+
+
+def problems(config: Config) -> list[Problem]:
+    """Why this recipe cannot shrink, before anything starts (only asked when min_nodes is below nodes)."""
+    res = config.resources
+    if res.min_nodes is None or res.fewest_nodes >= int(res.nodes):
+        return []
+    found = []
+    where = "trainer.overrides."
+    data = setting(config, "dataset_type")
+    if data not in CARRIED_DATA:
+        found.append(Problem(f"{where}dataset_type", f"{data!r}: resources.min_nodes (elastic shrink) supports "
+                                                     f"dataset_type {', '.join(CARRIED_DATA)} only; grain saves "
+                                                     "one data iterator per process, which a smaller attempt cannot "
+                                                     "restore, and tfds and hf start their iterators over. Use "
+                                                     "synthetic data, or remove resources.min_nodes."))
+    pdb = setting(config, "per_device_batch_size")
+    if not isinstance(pdb, (int, float)) or isinstance(pdb, bool) or pdb < 1 or float(pdb) != int(pdb):
+        found.append(Problem(f"{where}per_device_batch_size", f"{pdb!r}: elastic shrink keeps the global batch "
+                                                              "by raising gradient_accumulation_steps, which needs "
+                                                              "a whole per_device_batch_size of 1 or more; set "
+                                                              "one, or remove resources.min_nodes."))
+    axes = {key: setting(config, key) for prefix in ("ici", "dcn")
+            for key in {*MAXTEXT_DEFAULTS, *(config.trainer.overrides or {})}
+            if key.startswith(f"{prefix}_") and key.endswith("_parallelism")}
+    auto = sorted(key for key, value in axes.items() if value == -1)
+    data_axis = [key for key in auto if key.split("_", 1)[1].removesuffix("_parallelism") in DATA_AXES]
+    for key in sorted(set(auto) - set(data_axis)):
+        found.append(Problem(f"{where}{key}", "-1 (auto) on an axis that is not data-parallel: with "
+                                              "resources.min_nodes only a data-parallel axis (data, fsdp, "
+                                              "fsdp_transpose) may absorb lost nodes; give it a fixed size and "
+                                              "set ici_fsdp_parallelism to -1."))
+    if not data_axis:
+        found.append(Problem(f"{where}ici_fsdp_parallelism", "no data-parallel mesh axis is auto (-1), so the "
+                                                             "mesh cannot shrink with resources.min_nodes; set "
+                                                             "ici_fsdp_parallelism (or dcn_data_parallelism) to "
+                                                             "-1."))
+    if sizes(config) == [int(res.nodes)]:
+        found.append(Problem("resources.min_nodes", f"no node count from {res.fewest_nodes} to {res.nodes - 1} "
+                                                    "keeps the global batch: gradient_accumulation_steps "
+                                                    f"({accumulation(config)}) x nodes ({res.nodes}) is divisible "
+                                                    "by none of them; raise min_nodes or "
+                                                    "gradient_accumulation_steps."))
+    return found
