@@ -47,8 +47,8 @@ def test_report_writes_plots_and_summaries(run: RunDir, tmp_path: Path):
             assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000, p
     assert not list(out.glob(".*tmp"))
     md = (out / "summary.md").read_text()
-    for needle in (CONFIG_HASH, IMAGE_SHA, "| 1 | from scratch | n1, n2 | 20.0 s | hang |",
-                   "| 2 | step 10 | n1, n3 | 10.0 s | completed |", "| goodput | 15.4% |",
+    for needle in (CONFIG_HASH, IMAGE_SHA, "| 1 | from scratch | n1, n2 | - | 20.0 s | hang |",
+                   "| 2 | step 10 | n1, n3 | - | 10.0 s | completed |", "| goodput | 15.4% |",
                    "| hang waits | 30.0 | 24.4% |", "attempt.hang", "| 2 | n3 | 1.90x | live (event) |",
                    "| 1 | n2 | 2.00x | from metrics", "![loss](loss.png)", "it's a \\<run>"):
         assert needle in md, needle

@@ -66,7 +66,8 @@ def plot_series(run: RunDir, events: list[dict] | None = None, *, config: Config
     """`events`, `config`, `lines` (goodput.run_lines): what the caller has read already."""
     events = run.events() if events is None else events
     config = run.config() if config is None else config
-    processes = config.processes
+    # each attempt's processes (an elastic run's shrunk attempts have fewer than the recipe's)
+    sizes = {e.get("attempt"): e.get("processes") for e in events if e.get("event") == EV.ATTEMPT_STARTED}
     series = Series()
     lines = goodput.run_lines(run, events) if lines is None else lines
     reference: dict[int, Any] = {}
@@ -85,7 +86,8 @@ def plot_series(run: RunDir, events: list[dict] | None = None, *, config: Config
         seen[line["attempt"]] += 1
         series.points.append({"t": line["t"], "step": line["step"], "attempt": line["attempt"],
                               "loss": line.get("loss"), "recomputed": line.get("recomputed", False),
-                              "tokens_per_sec": tps * processes if warm and isinstance(tps, (int, float)) else None,
+                              "tokens_per_sec": tps * (sizes.get(line["attempt"]) or config.processes)
+                              if warm and isinstance(tps, (int, float)) else None,
                               "step_time": line.get("step_time") if warm else None})
     ended = {e.get("attempt"): e for e in events if e.get("event") == EV.ATTEMPT_ENDED}
     # Where the failure happened: the failure or hang event, else the attempt's end.
@@ -306,6 +308,7 @@ def _tables(d: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                 ["wall time", f"{g['wall_seconds']:.1f} s"], ["goodput", _pct(g["goodput"])]]
     attempts = [[str(a["attempt"]), "from scratch" if a.get("resume_from_step") is None else
                  f"step {a['resume_from_step']}", ", ".join(a.get("nodes") or []) or "-",
+                 _fmt(a.get("gradient_accumulation_steps"), "{}"),
                  _fmt(a.get("first_step_seconds"), "{:.1f} s"), str(a.get("cause", "running")),
                  str(a.get("detail") or ""), str(a.get("decision") or "")] for a in s["attempts"]]
     faults = [[f["at"], f["event"], f["detail"]] for f in d["faults"]]
@@ -317,7 +320,8 @@ def _tables(d: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     stragglers += [[str(x["attempt"]), x["node"], f"{x['ratio']:.2f}x", f"from metrics (median {x['median']:.3f} s "
                     f"vs {x['others_median']:.3f} s)"] for x in d["stragglers_found"]]
     return [("Run", ["", ""], overview),
-            ("Attempts", ["#", "resumed from", "nodes", "first step after", "cause", "detail", "decision"], attempts),
+            ("Attempts", ["#", "resumed from", "nodes", "grad. accumulation", "first step after", "cause", "detail",
+                          "decision"], attempts),
             ("Faults", ["at", "event", "detail"], faults),
             ("Goodput", ["category", "seconds", "share"], breakdown),
             (f"Stragglers (factor {d['straggler_factor']})", ["attempt", "node", "ratio", "seen"], stragglers)]

@@ -57,7 +57,9 @@ class StatusFold(goodput_events.Fold):
         if n is not None:
             row = self.rows.setdefault(n, {"attempt": n})
             if kind == EV.ATTEMPT_STARTED:
-                row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"))
+                row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"),
+                           processes=e.get("processes"),
+                           gradient_accumulation_steps=e.get("gradient_accumulation_steps"))
             elif kind == EV.ATTEMPT_FIRST_STEP:
                 row["first_step_seconds"] = e.get("seconds_since_start")
             elif kind == EV.ATTEMPT_ENDED:
@@ -238,7 +240,11 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         "last_committed_step": committed,
         "final_step_committed": committed is not None and committed >= config.trainer.final_step,
         "loss": final_loss,
-        "tokens_per_sec": statistics.median(tps) * processes if tps else None,
+        # the newest attempt's processes: an elastic run's shrunk attempt has fewer than the recipe's
+        "tokens_per_sec": statistics.median(tps) * ((table[-1].get("processes") if table else None) or processes)
+        if tps else None,
+        "elastic": {"nodes": config.resources.nodes, "min_nodes": config.resources.fewest_nodes}
+        if config.resources.fewest_nodes < config.resources.nodes else None,
         "step_time_seconds": step_time,
         "elapsed_seconds": round(ended - started, 1) if started else None,
         "eta_seconds": round(eta, 1) if eta is not None else None,
@@ -306,7 +312,12 @@ def render_status(s: dict[str, Any]) -> str:
         found = "" if not a.get("detected_by") else f"; found by {a['detected_by']}" + (
             f" {a['detect_seconds']:.1f} s after the node's last heartbeat" if a.get("detect_seconds") else "")
         detail = f" ({a['detail']}{found})" if a.get("detail") else ""
-        lines.append(f"  #{a['attempt']}  {start}: {end}{detail}")
+        size = ""
+        if s.get("elastic") and isinstance(a.get("nodes"), list):  # the size over time (resources.min_nodes)
+            size = f" on {len(a['nodes'])} of {s['elastic']['nodes']} nodes" + (
+                f", gradient accumulation {a['gradient_accumulation_steps']}"
+                if a.get("gradient_accumulation_steps") else "")
+        lines.append(f"  #{a['attempt']}  {start}{size}: {end}{detail}")
         if a.get("recovery"):
             parts = ", ".join(f"{k} {v:.1f}" for k, v in a["recovery"].items() if k != "total" and v is not None)
             lines.append(f"       recovery {a['recovery']['total']:.1f} s: {parts}")

@@ -394,7 +394,8 @@ class Supervisor:
         heard = [t for n in ending.nodes if liveness is not None and (t := liveness.last_heard(n)) is not None]
         after = {"detect_seconds": round(self.clock() - min(heard), 3)} if heard else {}
         jax = {"jax_saw_it": observed.jax_peer_lost} if observed.jax_peer_lost else {}
-        return {"detected_by": "rkit" if observed.dead_nodes else "slurm", **after, **jax}
+        seen_by = "slurm" if self.backend.name == "slurm" else "the launcher"
+        return {"detected_by": "rkit" if observed.dead_nodes else seen_by, **after, **jax}
 
     def _end_hung_attempt(self, handle: Handle, attempt: int, ending: Ending, observed: Observation,
                           nodes: list[str]) -> None:
