@@ -30,6 +30,7 @@ class EV:
     RUN_RESIZED = "run.resized"  # the next attempt trains on another node count (resources.min_nodes): nodes, why
     AGENT_STARTED = "agent.started"  # a rank's agent began (warm: a standby took the rank)
     AGENT_READY = "agent.ready"  # MaxText imported, jax.distributed set up: then restore and compile
+    AGENT_MESH = "agent.mesh"  # rank 0, after MaxText's set-up: devices, mesh axes, batch and accumulation
     IMAGE_REBUILT = "image.rebuilt"  # the SIF's bytes changed, its environment did not: the run goes on
     STANDBY = "standby"  # a warm standby rank: started, ready, died, replaced, discarded (rank, pid)
     STOP_REQUESTED = "stop.requested"
@@ -57,12 +58,12 @@ class EV:
 EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("attempt", "rank", "resume_from_step", "committed_step", "last_step", "exit_code",
                      "restart_count", "processes", "index", "requested_at_step", "full_nodes", "node_count",
-                     "gradient_accumulation_steps"), int),
+                     "devices", "global_batch", "gradient_accumulation_steps"), int),
     "step": (int, str),  # a training step, or a standby step's name (`standby` notes: "standby-2")
     **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
                      "name", "what", "received", "config_hash"), str),
     **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks"), list),
-    **dict.fromkeys(("changes", "tally"), dict),
+    **dict.fromkeys(("changes", "tally", "mesh"), dict),
     **dict.fromkeys(("seconds", "seconds_since_start", "restore_started", "restore_seconds", "import_seconds",
                      "distributed_seconds", "detect_seconds", "timeout", "seconds_silent", "standby_import_seconds",
                      "ratio", "median", "others_median", "factor", "free_bytes", "total_bytes", "fraction",

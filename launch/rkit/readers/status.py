@@ -62,6 +62,8 @@ class StatusFold(goodput_events.Fold):
                            gradient_accumulation_steps=e.get("gradient_accumulation_steps"))
             elif kind == EV.ATTEMPT_FIRST_STEP:
                 row["first_step_seconds"] = e.get("seconds_since_start")
+            elif kind == EV.AGENT_MESH:
+                row.update(devices=e.get("devices"), mesh=e.get("mesh"), global_batch=e.get("global_batch"))
             elif kind == EV.ATTEMPT_ENDED:
                 row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
                            committed_step=e.get("committed_step"))
@@ -314,9 +316,10 @@ def render_status(s: dict[str, Any]) -> str:
         detail = f" ({a['detail']}{found})" if a.get("detail") else ""
         size = ""
         if s.get("elastic") and isinstance(a.get("nodes"), list):  # the size over time (resources.min_nodes)
-            size = f" on {len(a['nodes'])} of {s['elastic']['nodes']} nodes" + (
-                f", gradient accumulation {a['gradient_accumulation_steps']}"
-                if a.get("gradient_accumulation_steps") else "")
+            size = f" on {len(a['nodes'])} of {s['elastic']['nodes']} nodes" + "".join(
+                f", {label} {a[key]}" for key, label in (("devices", "devices"), ("gradient_accumulation_steps",
+                                                                                 "gradient accumulation"),
+                                                         ("global_batch", "global batch")) if a.get(key))
         lines.append(f"  #{a['attempt']}  {start}{size}: {end}{detail}")
         if a.get("recovery"):
             parts = ", ".join(f"{k} {v:.1f}" for k, v in a["recovery"].items() if k != "total" and v is not None)

@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
     from rkit.runtime.trainers.maxtext import (
         after_initialize,
         hook_the_train_loop,
+        mesh_record,
         rank_overrides,
         resolve_base_config,
         route_tensorboard,
@@ -342,8 +343,16 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
 
     hook_the_train_loop(Injector(ctx, pump).at_step)
     route_tensorboard(ctx.run)
-    if os.environ.get(determinism.EXPECTED_ENV):
-        after_initialize(lambda: check_determinism(ctx, os.environ))
+    def after_set_up(config: object) -> None:
+        if ctx.rank == 0 and config is not None:  # the attempt's mesh and batch, once per attempt
+            import jax
+
+            ctx.run.emit(EV.AGENT_MESH, attempt=ctx.attempt, rank=ctx.rank,
+                         **mesh_record(config, jax.device_count()))
+        if os.environ.get(determinism.EXPECTED_ENV):
+            check_determinism(ctx, os.environ)
+
+    after_initialize(after_set_up)
 
     argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
             *rank_overrides(ctx.run, ctx.attempt, ctx.rank)]

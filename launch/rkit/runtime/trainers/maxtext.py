@@ -254,8 +254,8 @@ def route_tensorboard(run: RunDir) -> None:
     max_utils.add_text_to_summary_writer = add_text_to_summary_writer
 
 
-def after_initialize(then: Callable[[], None]) -> None:
-    """In the training environment, before MaxText's train.main: `then()` runs right after MaxText's
+def after_initialize(then: Callable[[Any], None]) -> None:
+    """In the training environment, before MaxText's train.main: `then(config)` runs right after MaxText's
     train.initialize (which sets JAX's default PRNG to unsafe_rbg) and before the model is built."""
     from maxtext.trainers.pre_train import train
 
@@ -265,9 +265,31 @@ def after_initialize(then: Callable[[], None]) -> None:
 
     def initialize_then(argv):
         out = initialize(argv)
-        then()
+        then(out[0] if isinstance(out, tuple) and out else None)
         return out
 
     initialize_then.rkit_hooked = True  # type: ignore[attr-defined]
     train.initialize = initialize_then
 
+
+
+def mesh_record(config: Any, devices: int) -> dict[str, Any]:
+    """What an attempt trains on, from MaxText's resolved config: its devices, the mesh's axes that are not 1
+    (an auto axis, -1, as the size it takes: within a slice for ici_*, across slices for dcn_*) and the batch
+    (per device, accumulation, global): an elastic run's attempts differ here (run/elastic.py)."""
+    slices = max(1, int(getattr(config, "num_slices", 1) or 1))
+    mesh: dict[str, int] = {}
+    for prefix, total in (("ici", max(1, devices // slices)), ("dcn", slices)):
+        sizes = {name: int(getattr(config, f"{prefix}_{name}_parallelism", 1) or 1)
+                 for name in getattr(config, "mesh_axes", ()) or ()}
+        fixed = 1
+        for value in sizes.values():
+            fixed *= value if value > 0 else 1
+        for name, value in sizes.items():
+            size = total // fixed if value == -1 else value
+            if size != 1:
+                mesh[f"{prefix}_{name}"] = size
+    return {"devices": devices, "mesh": mesh,
+            "per_device_batch_size": float(getattr(config, "per_device_batch_size", 0) or 0),
+            "gradient_accumulation_steps": int(getattr(config, "gradient_accumulation_steps", 1) or 1),
+            "global_batch": int(getattr(config, "global_batch_size_to_train_on", 0) or 0)}
