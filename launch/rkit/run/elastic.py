@@ -137,10 +137,13 @@ def problems(config: Config) -> list[Problem]:
                                               "resources.min_nodes only a data-parallel axis (data, fsdp, "
                                               "fsdp_transpose) may absorb lost nodes; give it a fixed size and "
                                               "set ici_fsdp_parallelism to -1."))
-    if not data_axis:
-        found.append(Problem(f"{where}ici_fsdp_parallelism", "no data-parallel mesh axis is auto (-1), so the "
-                                                             "mesh cannot shrink with resources.min_nodes; set "
-                                                             "ici_fsdp_parallelism (or dcn_data_parallelism) to "
+    # On GPUs and CPUs MaxText has one slice (num_slices 1): every device is on the ici axes, and a dcn auto
+    # axis is 1, so the ici axes are the ones that must absorb the change.
+    if not [key for key in data_axis if key.startswith("ici_")]:
+        found.append(Problem(f"{where}ici_fsdp_parallelism", "no data-parallel ici mesh axis is auto (-1), so "
+                                                             "the mesh cannot shrink with resources.min_nodes "
+                                                             "(on GPUs every device is on the ici axes); set "
+                                                             "ici_fsdp_parallelism (or ici_data_parallelism) to "
                                                              "-1."))
     if sizes(config) == [int(res.nodes)]:
         found.append(Problem("resources.min_nodes", f"no node count from {res.fewest_nodes} to {res.nodes - 1} "
