@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rkit.contract.rundir import RunDir
-from rkit.runtime.telemetry.metrics import merged
+from rkit.runtime.telemetry.metrics import lines, merged
 
 from ..conftest import REPO, rkit, wait_until
 from .slurm_helpers import (
@@ -287,6 +287,71 @@ def test_node_crash_without_a_spare_requeues_the_job_without_that_node(cluster, 
     second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
     assert victim not in second["launch"]["nodes"] and second["resume_from_step"] >= 10
     assert final_loss(run) == final_loss(clean_run)
+
+
+# Long enough that the preemption injected at step 20 saves before the last step (a tiny step takes about 10 ms on
+# one node: the save request reaches the trainer a few hundred ms later).
+LONG = ["-o", "trainer.steps=200"]
+
+
+def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back(cluster, slurm_workspace,
+                                                                                    cpu_image):
+    # resources.min_nodes=1, no spare: sbatch --nodes=1-2 --no-kill. Rank 1 stops at step 12 (so that attempt 1
+    # cannot train past it, whatever the machine's speed), then its node crashes: the run goes on at once on the
+    # batch host alone, with twice the accumulation. The preemption injected at step 20 (in that attempt) saves
+    # and requeues the job; the requeued job gets two nodes again and the last attempt trains at full size.
+    clean_run = submit(cluster, slurm_workspace, "clean-200", cpu_image, *LONG)
+    wait_finished(cluster, clean_run)
+    run = submit(cluster, slurm_workspace, "elastic", cpu_image, *LONG, "-o", "slurm.spare_nodes=0",
+                 "-o", "resources.min_nodes=1", "--inject", "hang:rank=1,step=12", "--inject", "preempt:step=20")
+    script = run.batch_script.read_text()
+    assert "--nodes=1-2" in script and "--no-kill" in script
+    victim, crashed_at = crash_when_at_step(cluster, run, 12, which=1)
+    try:
+        wait_finished(cluster, run)
+    finally:
+        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    events = run.events()
+
+    def named(kind: str) -> list[dict]:
+        return [e for e in events if e["event"] == kind]
+
+    failed = named("attempt.failed")[0]
+    assert failed["cls"] == "node_fail" and failed["lost_nodes"] == [victim]
+    ended = named("attempt.ended")
+    assert [(e["cause"], e["decision"]) for e in ended] == [("node_fail", "restart"), ("preempted", "requeue"),
+                                                            ("completed", "finish")]
+    resized = named("run.resized")
+    assert [(e["attempt"], e["node_count"], e["gradient_accumulation_steps"]) for e in resized] == [(2, 1, 2),
+                                                                                                    (3, 2, 1)]
+    started = {e["attempt"]: e for e in named("attempt.started")}
+    assert len(started[1]["nodes"]) == 2 and started[2]["nodes"] == [started[1]["nodes"][0]]
+    assert len(started[3]["nodes"]) == 2 and victim not in started[3]["nodes"]  # grown back on another node
+    mesh = {e["attempt"]: e for e in named("agent.mesh")}
+    assert [(mesh[a]["devices"], mesh[a]["global_batch"]) for a in (1, 2, 3)] == [(2, 2), (1, 2), (2, 2)]
+    jobs = named("job.started")
+    assert [e["restart_count"] for e in jobs] == [0, 1] and len(jobs[1]["allocation"]) == 2
+    # The loss per step within the tolerance measured for a shrink (the local test's), bit for bit up to the
+    # restored step's successor.
+    from .test_tiny_maxtext import SHRINK_TOLERANCE
+
+    done = rkit("compare", "--json", "--threshold", "10", "--loss-tolerance", str(SHRINK_TOLERANCE),
+                str(clean_run.path), str(run.path), env=cluster, check=0)
+    loss = json.loads(done.stdout)["loss"]
+    assert loss["counts"]["DIFFER"] == 0 and loss["counts"]["EXACT"] >= started[2]["resume_from_step"] + 2
+    a, b = merged(clean_run, rank=0), merged(run, rank=0)
+    worst = max(abs(a[s]["loss"] - b[s]["loss"]) for s in a)
+    first_small = next(e for e in named("attempt.first_step") if e["attempt"] == 2)
+    text = rkit("status", str(run.path), env=cluster, check=0).stdout
+    assert "on 1 of 2 nodes, devices 1, gradient accumulation 2, global batch 2" in text
+
+    def median_step(attempt: int) -> float:
+        times = sorted(m["step_time"] for m in lines(run, 0) if m["attempt"] == attempt)[1:]
+        return times[len(times) // 2] if times else float("nan")
+
+    print(f"elastic on Slurm: node crash -> first step on 1 node {first_small['t'] - crashed_at:.1f} s (failure "
+          f"found {failed['t'] - crashed_at:.1f} s after the crash); max |loss - clean| {worst:.6f}; median step "
+          f"time 2 nodes {median_step(1):.4f} s, 1 node {median_step(2):.4f} s, grown back {median_step(3):.4f} s")
 
 
 def test_batch_host_crash_slurm_requeues_and_the_run_continues(cluster, slurm_workspace, cpu_image,
