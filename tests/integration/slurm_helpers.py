@@ -74,3 +74,14 @@ def crash_when_at_step(cluster, run: RunDir, step: int, which: int) -> tuple[str
     crashed_at = time.time()
     subprocess.run([str(TESTBED), "crash", victim], check=True, capture_output=True)
     return victim, crashed_at
+
+
+def crash_and_wait_finished(cluster, run: RunDir, step: int, which: int) -> tuple[str, float]:
+    """crash_when_at_step, then wait until the run ended and its job left the queue; the node is brought back
+    whatever happens. Returns the node and the crash time."""
+    victim, crashed_at = crash_when_at_step(cluster, run, step, which)
+    try:
+        wait_finished(cluster, run)
+    finally:
+        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    return victim, crashed_at

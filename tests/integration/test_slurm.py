@@ -21,6 +21,7 @@ from rkit.runtime.telemetry.metrics import lines, merged
 from ..conftest import REPO, rkit, wait_until
 from .slurm_helpers import (
     TESTBED,
+    crash_and_wait_finished,
     crash_when_at_step,
     final_loss,
     job_of,
@@ -272,11 +273,7 @@ def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(clus
 def test_node_crash_without_a_spare_requeues_the_job_without_that_node(cluster, slurm_workspace, cpu_image,
                                                                        clean_run: RunDir):
     run = submit(cluster, slurm_workspace, "nospare", cpu_image, "-o", "slurm.spare_nodes=0")
-    victim, _ = crash_when_at_step(cluster, run, 25, which=1)
-    try:
-        wait_finished(cluster, run)
-    finally:
-        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    victim, _ = crash_and_wait_finished(cluster, run, 25, which=1)
     events = run.events()
     failed = next(e for e in events if e["event"] == "attempt.failed")
     assert failed["cls"] == "node_fail" and victim in failed["lost_nodes"]
@@ -307,11 +304,7 @@ def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back
                  "-o", "resources.min_nodes=1", "--inject", "hang:rank=1,step=12", "--inject", "preempt:step=20")
     script = run.batch_script.read_text()
     assert "--nodes=1-2" in script and "--no-kill" in script
-    victim, crashed_at = crash_when_at_step(cluster, run, 12, which=1)
-    try:
-        wait_finished(cluster, run)
-    finally:
-        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    victim, crashed_at = crash_and_wait_finished(cluster, run, 12, which=1)
     events = run.events()
 
     def named(kind: str) -> list[dict]:
