@@ -356,6 +356,21 @@ def test_a_job_started_on_fewer_nodes_trains_shrunk_from_its_first_attempt(tmp_p
     assert events(sup.run, EV.RUN_RESIZED)[0]["attempt"] == 1
 
 
+def test_period_auto_chooses_each_attempts_period_and_says_why(tmp_path):
+    # Attempt 1: nothing measured, the default bounded to max_period. Attempt 2: what attempt 1's rank 0 logged.
+    sup, backend = make(tmp_path, Script(kill=(1, 6)), "checkpoint.period=auto", "checkpoint.max_period=50")
+    attempt(sup)
+    log = sup.run.rank_log(1, 0)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("I1202 x.py:1] [async] Finished blocking save in 0.002 seconds\n")
+    attempt(sup)
+    chosen = events(sup.run, EV.CHECKPOINT_PERIOD)
+    assert [(e["attempt"], e["period"]) for e in chosen][0] == (1, 50) and chosen[1]["save_seconds"] == 0.002
+    assert chosen[1]["reason"].startswith("Young/Daly") and chosen[1]["step_seconds"] == 1.0
+    assert [e["checkpoint_period"] for e in events(sup.run, EV.ATTEMPT_STARTED)] == [e["period"] for e in chosen]
+    assert f"checkpoint_period={chosen[1]['period']}" in backend.requests[1].trainer_args
+
+
 def test_preemption_saves_and_requeues(tmp_path):
     sup, backend = make(tmp_path, Script(preempt=(1, 6)))
     outcome = attempt(sup)

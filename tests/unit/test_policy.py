@@ -150,20 +150,15 @@ def test_hangs_and_lost_attempts_spend_the_infrastructure_budget(cause):
 
 def test_an_attempt_without_an_end_is_found_as_lost(tmp_path, monkeypatch):
     from rkit.contract.rundir import RunDir
-    from rkit.recipe.load import load_recipe
-    from rkit.run.supervisor import Supervisor
-
-    from ..conftest import TINY
+    from rkit.run.attemptrecord import lost_attempt
 
     run = RunDir(tmp_path / "run 1")
-    sup = Supervisor(run=run, config=load_recipe(TINY).config, injections=[], backend=None, base_env={},
-                     jax_cache_dir=str(tmp_path))
     run.emit("attempt.started", attempt=1, resume_from_step=None)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    attempt, outcome = sup._lost_attempt(run.events())
+    attempt, outcome = lost_attempt(run, run.events())
     assert attempt == 1 and outcome.cause is Cause.LOST and "Slurm requeued the job" in outcome.detail
     run.emit("attempt.ended", attempt=1, cause="lost")
-    assert sup._lost_attempt(run.events()) is None
+    assert lost_attempt(run, run.events()) is None
 
 
 def test_a_lost_attempt_whose_processes_still_run_is_refused(tmp_path):

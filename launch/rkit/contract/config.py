@@ -56,9 +56,20 @@ class Resources:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    period: int
+    period: int | str  # steps, or "auto" (run/cadence.py)
     keep: int | None
     asynchronous: bool  # the recipe's `async`
+    min_period: int | None = None  # period: auto's bounds (no schema default: older config hashes unchanged)
+    max_period: int | None = None
+
+    @property
+    def auto(self) -> bool:
+        return self.period == "auto"
+
+    @property
+    def fixed_period(self) -> int | None:
+        """The recipe's period in steps; None for auto (each attempt's is in its attempt.started event)."""
+        return None if self.auto or self.period is None else int(self.period)
 
 
 @dataclass(frozen=True)

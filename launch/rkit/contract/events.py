@@ -48,6 +48,7 @@ class EV:
     AGENT_ENV_DROPPED = "agent.env_dropped"  # M_<KEY> variables removed before MaxText read them (names only)
     EXPORTER_INSECURE = "exporter.insecure"  # a node's exporter serves plain HTTP beyond loopback (insecure: true)
     CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
+    CHECKPOINT_PERIOD = "checkpoint.period"  # period: auto's choice for an attempt: period, interval, MTBF, why
     AGENT_DEVICES = "agent.devices"  # a rank's share of its node's GPUs: local rank, visibility variables
     DETERMINISM_CHECKED = "determinism.checked"  # a rank checked deterministic mode's switches after MaxText's set-up
     DETERMINISM_CLOBBERED = "determinism.clobbered"  # one per switch that did not survive: expected, found
@@ -58,7 +59,8 @@ class EV:
 EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("attempt", "rank", "resume_from_step", "committed_step", "last_step", "exit_code",
                      "restart_count", "processes", "index", "requested_at_step", "full_nodes", "node_count",
-                     "devices", "global_batch", "gradient_accumulation_steps"), int),
+                     "devices", "global_batch", "gradient_accumulation_steps", "checkpoint_period", "period",
+                     "saves", "failures"), int),
     "step": (int, str),  # a training step, or a standby step's name (`standby` notes: "standby-2")
     **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
                      "name", "what", "received", "config_hash"), str),
@@ -67,7 +69,8 @@ EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("seconds", "seconds_since_start", "restore_started", "restore_seconds", "import_seconds",
                      "distributed_seconds", "detect_seconds", "timeout", "seconds_silent", "standby_import_seconds",
                      "ratio", "median", "others_median", "factor", "free_bytes", "total_bytes", "fraction",
-                     "threshold", "grace_seconds"), float),
+                     "threshold", "grace_seconds", "interval_seconds", "mtbf_seconds", "save_seconds",
+                     "step_seconds", "hours"), float),
     **dict.fromkeys(("fs", "path"), str),
 }
 LATEST_T = 1e11  # seconds since 1970: the year 5138

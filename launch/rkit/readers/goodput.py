@@ -46,6 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from rkit.contract.config import Config
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
 from rkit.readers.goodput_events import AttemptSteps, AttemptTimes, EventFold
@@ -109,10 +110,19 @@ def run_goodput(run: RunDir, now: float | None = None, *, events: list[dict] | N
                 lines: list[dict[str, Any]] | None = None) -> Goodput:
     """Goodput of a run directory; pass `now` while the run is live (its open session ends now). `events`
     (run.events()) and `lines` (run_lines): what the caller has read already, so that no file is read twice."""
-    period = run.config().checkpoint.period
     events = run.events() if events is None else events
+    period = checkpoint_period(run.config(), events)
     lines = run_lines(run, events) if lines is None else lines
     return compute(events, lines, checkpoint_period=period, now=now)
+
+
+def checkpoint_period(config: Config, events: list[dict]) -> int | None:
+    """The recipe's period, or with checkpoint.period auto the one the newest attempt started with (where a save
+    shows in the step times: an earlier attempt's saves may have had another period)."""
+    if config.checkpoint.fixed_period is not None:
+        return config.checkpoint.fixed_period
+    return next((e["checkpoint_period"] for e in reversed(events) if e.get("event") == EV.ATTEMPT_STARTED
+                 and e.get("checkpoint_period")), None)
 
 
 def run_lines(run: RunDir, events: list[dict], rank0: list[dict[str, Any]] | None = None,

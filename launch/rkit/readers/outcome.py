@@ -113,7 +113,7 @@ def compute(run: RunDir, events: list[dict] | None = None, config: Config | None
     first_steps = [e.get("seconds_since_start") for e in events if e.get("event") == EV.ATTEMPT_FIRST_STEP]
     mfu = steady_state(rank0, "mfu")
     whole, blocking = save_seconds([run.rank_log(n, 0) for n in run.attempt_numbers()])
-    period = (run.config() if config is None else config).checkpoint.period
+    period = goodput.checkpoint_period(run.config() if config is None else config, events)
     good = goodput.compute(events, goodput.run_lines(run, events, rank0), checkpoint_period=period).as_dict()
     return {
         "version": VERSION,

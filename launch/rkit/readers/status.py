@@ -43,6 +43,8 @@ class StatusFold(goodput_events.Fold):
     injections: list[Any] = field(default_factory=list)
     stragglers: list[dict] = field(default_factory=list)
     disk_low: list[dict] = field(default_factory=list)
+    period: int | None = None  # the newest attempt's checkpoint period (checkpoint.period auto chooses each)
+    period_choice: dict | None = None  # the newest checkpoint.period event: period auto's choice and why
 
     def feed(self, e: dict) -> None:
         self.goodput.feed(e)
@@ -57,6 +59,7 @@ class StatusFold(goodput_events.Fold):
         if n is not None:
             row = self.rows.setdefault(n, {"attempt": n})
             if kind == EV.ATTEMPT_STARTED:
+                self.period = e.get("checkpoint_period") or self.period
                 row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"),
                            processes=e.get("processes"),
                            gradient_accumulation_steps=e.get("gradient_accumulation_steps"))
@@ -80,6 +83,8 @@ class StatusFold(goodput_events.Fold):
         elif kind == EV.INJECT_FIRED:  # the spec as given to --inject; else rebuilt from the event's fields
             self.injections.append(str(e.get("spec") or f"{e.get('kind', '?')}:" + ",".join(
                 f"{k}={e[k]}" for k in ("rank", "step", "code") if e.get(k) is not None)))
+        elif kind == EV.CHECKPOINT_PERIOD:
+            self.period_choice = {k: e.get(k) for k in ("attempt", "period", "reason")}
         elif kind == EV.NODE_STRAGGLER:
             self.stragglers.extend(straggler_events([e]))
         elif kind == EV.DISK_LOW:
@@ -195,7 +200,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
                               final_committed=committed is not None and committed >= config.trainer.final_step)
     total = config.trainer.final_step + 1
     processes = config.processes
-    period = config.checkpoint.period
+    period = config.checkpoint.fixed_period or fold.period
     # A live run's open session ends now; a finished or stopped one ends at its last record.
     now = time.time() if state in (RunState.RUNNING, RunState.PENDING) else None
     fast = _steps_from_digest(digest, fold, period) if digest is not None and rank_lines is None \
@@ -245,6 +250,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         # the newest attempt's processes: an elastic run's shrunk attempt has fewer than the recipe's
         "tokens_per_sec": statistics.median(tps) * ((table[-1].get("processes") if table else None) or processes)
         if tps else None,
+        "checkpoint_auto": fold.period_choice if config.checkpoint.auto else None,
         "elastic": {"nodes": config.resources.nodes, "min_nodes": config.resources.fewest_nodes}
         if config.resources.fewest_nodes < config.resources.nodes else None,
         "step_time_seconds": step_time,
@@ -283,6 +289,9 @@ def render_status(s: dict[str, Any]) -> str:
                  (f", ETA {num(s['eta_seconds'])} s" if s["eta_seconds"] is not None else ""))
     lines.append(f"config     {s['config_hash']}")
     lines.append(f"goodput    {render_goodput(s['goodput'])}")
+    if (auto := s.get("checkpoint_auto")) and isinstance(auto, dict):
+        lines.append(f"checkpoint every {auto.get('period')} steps from attempt {auto.get('attempt')} (period: auto; "
+                     f"{auto.get('reason')})")
     if s.get("outcome") and s["outcome"]["loss_sha256"]:
         o = s["outcome"]
         lines.append(f"outcome    loss {o['loss_sha256']} over steps {o['first_step']}-{o['last_step']} "

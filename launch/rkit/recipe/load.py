@@ -120,6 +120,10 @@ def _schema_problems(data: dict) -> list[Problem]:
             want = err.validator_value if isinstance(err.validator_value, str) else " or ".join(err.validator_value)
             problems.append(Problem(dotted(path), f"{short(err.instance)} is a {_json_type(err.instance)}; "
                                                   f"expected {want}."))
+        elif err.validator == "pattern" and tuple(path) == ("checkpoint", "period"):
+            problems.append(Problem("checkpoint.period", f"{short(err.instance)} is a string; expected integer (steps) "
+                                                         "or auto (chosen from the measured save cost and failure "
+                                                         "rate)."))
         elif err.validator == "pattern" and path and path[0] == "name":
             problems.append(Problem("name", f"{err.instance!r} is not a valid run name: use letters, digits, "
                                             "'.', '_' and '-' (at most 128, starting with a letter or digit)."))
@@ -168,6 +172,11 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                         "MaxText outside the config hash and printed into the rank logs; write "
                                         "the value itself."))
     problems.extend(_elastic_problems(data))
+    ckpt = data.get("checkpoint")
+    if isinstance(ckpt, dict) and isinstance(ckpt.get("min_period"), int) and isinstance(ckpt.get("max_period"), int) \
+            and ckpt["min_period"] > ckpt["max_period"]:
+        problems.append(Problem("checkpoint.min_period", f"{ckpt['min_period']} is more than checkpoint.max_period "
+                                                         f"({ckpt['max_period']}); give min_period <= max_period."))
     if data.get("launcher") == "local" and isinstance(data.get("resources"), dict) \
             and data["resources"].get("nodes", 1) != 1 and not _shrinks(data["resources"]):
         problems.append(Problem("resources.nodes", "the local launcher runs on one node; set 1, or use "

@@ -21,10 +21,12 @@ from rkit.runtime.trainers import maxtext
 
 def attempt_request(backend: Backend[Any, Any], config: Config, run: RunDir, image: ImageIdentity | None,
                     base_env: dict[str, str], host_env: dict[str, str], jax_cache_dir: str, attempt: int,
-                    in_trainer: list[Injection], attempt_dir: Path, shape: elastic.Shape | None = None) -> Request:
+                    in_trainer: list[Injection], attempt_dir: Path, shape: elastic.Shape | None = None,
+                    period: int | None = None) -> Request:
     """What the backend starts for one attempt: each rank's command line and environment (pure but for the
     coordinator port a local backend picks). The plan (run/plan.py) makes the first attempt's; the supervisor
-    every later one, at the size it chose (`shape`: run/elastic.py; the recipe's full size by default)."""
+    every later one, at the size it chose (`shape`: run/elastic.py; the recipe's full size by default) and, with
+    checkpoint.period auto, the period it chose (`period`: run/cadence.py)."""
     shape = shape or elastic.shape(config)
     env = dict(base_env)
     env.update({"RKIT_RUN_DIR": str(run.path.resolve()), "RKIT_ATTEMPT": str(attempt),
@@ -34,7 +36,7 @@ def attempt_request(backend: Backend[Any, Any], config: Config, run: RunDir, ima
                 devices.PER_NODE_ENV: str(config.resources.processes_per_node),
                 devices.VENDOR_ENV: devices.vendor_of(image.gpu_flags if image else ())})
     args = maxtext.maxtext_overrides(config, run, jax_cache_dir,
-                                     shape.gradient_accumulation_steps if shape.shrunk else None)
+                                     shape.gradient_accumulation_steps if shape.shrunk else None, period)
     return backend.prepare(attempt=attempt, processes=shape.processes, trainer_args=args, base_env=env,
                            attempt_dir=attempt_dir, cwd=Path.cwd(), host_env=host_env)
 

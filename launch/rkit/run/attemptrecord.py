@@ -1,15 +1,18 @@
-"""attempts/<n>/attempt.json beyond the attempt loop: whether a lost attempt's processes still run (pid, start time
-and host), and closing a lost attempt's record."""
+"""attempts/<n>/attempt.json beyond the attempt loop: finding a lost attempt (started, never ended), whether its
+processes still run (pid, start time and host), and closing its record."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
 from rkit.contract.errors import RkitError
+from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
-from rkit.run.policy import Outcome
+from rkit.run.policy import Cause, Outcome
+from rkit.runtime.trainers import maxtext
 
 
 def started_at(pid: int) -> float | None:
@@ -60,3 +63,19 @@ def close_record(run: RunDir, attempt: int, outcome: Outcome) -> None:
     record.update({"ended": time.time(), "cause": outcome.cause.value, "detail": outcome.detail,
                    "committed_step": outcome.committed_after})
     write_json_atomic(path, record)
+
+
+def lost_attempt(run: RunDir, events: list[dict]) -> tuple[int, Outcome] | None:
+    """An attempt that started and never ended: its supervisor died with it (Slurm requeued the job after the batch
+    host failed, or the machine was lost). It counts against the infrastructure budget."""
+    started = [e for e in events if e.get("event") == EV.ATTEMPT_STARTED]
+    if not started:
+        return None
+    attempt = started[-1]["attempt"]
+    if any(e.get("event") == EV.ATTEMPT_ENDED and e.get("attempt") == attempt for e in events):
+        return None
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    how = (f"node failure: Slurm requeued the job (SLURM_RESTART_COUNT={restarts})" if restarts != "0"
+           else "the supervisor was killed or its machine was lost")
+    return attempt, Outcome(Cause.LOST, started[-1].get("resume_from_step"), maxtext.latest_committed_step(run),
+                            f"attempt {attempt} ended with its supervisor ({how})")

@@ -105,7 +105,8 @@ class AttemptWatch:
 
     def __post_init__(self) -> None:
         sup = self.sup
-        self.hang = HangWatch(HangPolicy.from_config(sup.config), ranks=list(self.tails), started=sup.clock(),
+        self.hang = HangWatch(HangPolicy.from_config(sup.config, sup.period), ranks=list(self.tails),
+                              started=sup.clock(),
                               step_times=sup.step_times)
         factor = float(sup.config.observability.straggler_factor)
         self.stragglers = StragglerWatch(sup.run, self.attempt, factor, sup.clock)

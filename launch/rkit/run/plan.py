@@ -27,6 +27,7 @@ from rkit.images.store import apptainer
 from rkit.recipe import maxtext_keys
 from rkit.recipe.load import Recipe
 from rkit.recipe.yaml_text import PATH_CHARS_WHY, unsafe_path_chars
+from rkit.run import cadence
 from rkit.run.attempt import attempt_request, default_jax_cache_dir
 from rkit.run.lock import RunLock
 from rkit.runtime import determinism, manifest
@@ -133,8 +134,11 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
                            jax_heartbeat_seconds=resilience.local_jax_heartbeat_seconds, nodes=res.nodes,
                            processes_per_node=res.processes_per_node)
     # Every injection is pending at a start: execute's run.submitted / run.resumed event begins their count.
+    # checkpoint.period auto: the period the first attempt would get, from what the runs directory measured
+    period = cadence.choose(recipe.config, cadence.measure(run, recipe.config_hash)).period \
+        if recipe.config.checkpoint.auto else None
     request = attempt_request(backend, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
-                              first, [i for i in injections if i.in_trainer], run.attempt_dir(first))
+                              first, [i for i in injections if i.in_trainer], run.attempt_dir(first), period=period)
     return LaunchPlan(**common, backend=backend, first_request=request)
 
 

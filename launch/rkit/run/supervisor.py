@@ -21,9 +21,9 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.images.identity import ImageIdentity
 from rkit.readers import outcome as run_outcome
-from rkit.run import elastic, preflight
+from rkit.run import cadence, elastic, preflight
 from rkit.run.attempt import attempt_request
-from rkit.run.attemptrecord import close_record, refuse_if_alive, started_at
+from rkit.run.attemptrecord import close_record, lost_attempt, refuse_if_alive, started_at
 from rkit.run.attemptwatch import AttemptWatch
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import (
@@ -68,6 +68,7 @@ class Supervisor:
     _by_supervisor: list[Injection] = field(default_factory=list, init=False)  # preempt, lose_node: pending
     step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
     shape: elastic.Shape | None = field(default=None, init=False)  # the current attempt's size (run/elastic.py)
+    period: int | None = field(default=None, init=False)  # the current attempt's checkpoint period
 
     # ------------------------------------------------------------ signals
 
@@ -86,10 +87,10 @@ class Supervisor:
         `rkit run --dry-run` printed), else one made the same way (attempt_request)."""
         planned, self.planned = self.planned, None
         if planned is not None and planned[0] == attempt and planned[1] == [i.index for i in in_trainer] \
-                and not (self.shape and self.shape.shrunk):
+                and not (self.shape and self.shape.shrunk) and not self.config.checkpoint.auto:
             return planned[2]
         return attempt_request(self.backend, self.config, self.run, self.image, self.base_env, self.host_env,
-                               self.jax_cache_dir, attempt, in_trainer, attempt_dir, self.shape)
+                               self.jax_cache_dir, attempt, in_trainer, attempt_dir, self.shape, self.period)
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self.request_stop)
@@ -147,7 +148,7 @@ class Supervisor:
         if self.final_committed():
             return self._final(EV.RUN_FINISHED, reason="the final step was already committed; nothing to run",
                                committed_step=progress.committed)
-        lost = self._lost_attempt(events)
+        lost = lost_attempt(self.run, events)
         if lost is not None:
             refuse_if_alive(self.run, lost[0])
             decision, tally = decide(tally, lost[1], budgets, False)
@@ -186,28 +187,13 @@ class Supervisor:
                       committed_step=outcome.committed_after, decision=decision.action.value, reason=decision.reason,
                       tally=tally.as_dict())
 
-    def _lost_attempt(self, events: list[dict]) -> tuple[int, Outcome] | None:
-        """An attempt that started and never ended: its supervisor died with it (Slurm requeued the job after
-        the batch host failed, or the machine was lost). It counts against the infrastructure budget."""
-        started = [e for e in events if e.get("event") == EV.ATTEMPT_STARTED]
-        if not started:
-            return None
-        attempt = started[-1]["attempt"]
-        if any(e.get("event") == EV.ATTEMPT_ENDED and e.get("attempt") == attempt for e in events):
-            return None
-        restarts = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
-        how = (f"node failure: Slurm requeued the job (SLURM_RESTART_COUNT={restarts})" if restarts != "0"
-               else "the supervisor was killed or its machine was lost")
-        return attempt, Outcome(Cause.LOST, started[-1].get("resume_from_step"),
-                                maxtext.latest_committed_step(self.run),
-                                f"attempt {attempt} ended with its supervisor ({how})")
-
     def run_attempt(self, progress: Progress, injections: list[Injection]) -> Outcome:
         """Start one attempt, watch it until `classify` says how it ends, end it that way, record it."""
         attempt = self.next_attempt_number()
         attempt_dir = self.run.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=False)
         sized = self._resize(attempt)
+        self.period = self._choose_period(attempt)
         self._check_checkpoints()
         committed_before = maxtext.latest_committed_step(self.run)
         # Earlier attempts' summaries of the steps this one trains again are dropped by TensorBoard (tbmarks.py).
@@ -253,6 +239,7 @@ class Supervisor:
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                           nodes=info["nodes"], processes=self.processes, injections=info["injections"],
                           gradient_accumulation_steps=self.shape.gradient_accumulation_steps,
+                          checkpoint_period=self.period,
                           **({"tensorboard": tb_note} if tb_note else {}))
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
                                  oom=OomWatch.of(list(info["pids"].values())))
@@ -441,6 +428,16 @@ class Supervisor:
         self.run.emit(EV.NODES_EXCLUDED, nodes=nodes, excluded=list(exclude), healthy=healthy,
                       reason=reason)
         return elastic.size_for(self.config, len(healthy)) is None
+
+    def _choose_period(self, attempt: int) -> int | None:
+        """checkpoint.period: auto: the attempt's period from what the runs directory measured (run/cadence.py),
+        said as an event; the recipe's period otherwise."""
+        if not self.config.checkpoint.auto:
+            return self.config.checkpoint.fixed_period
+        measured = cadence.measure(self.run, self.run.load_manifest().get("config_hash"))
+        choice = cadence.choose(self.config, measured)
+        self.run.emit(EV.CHECKPOINT_PERIOD, attempt=attempt, **choice.as_event(measured))
+        return choice.period
 
     def _fire(self, handle: Handle, attempt: int, step: int | None) -> None:
         """The supervisor's own injections at their step: preempt (Slurm's USR1, as request_preempt) and

@@ -31,12 +31,14 @@ class HangPolicy:
     final_step: int | None = None  # after it: the final save and the shutdown (jax.distributed's barrier)
 
     @classmethod
-    def from_config(cls, config: Config) -> HangPolicy:
+    def from_config(cls, config: Config, checkpoint_period: int | None = None) -> HangPolicy:
+        """`checkpoint_period`: the attempt's (period: auto chooses one per attempt)."""
         r = config.resilience  # defaults come from the schema, as for Budgets
         value = r.hang_timeout
         return cls(explicit=None if value in ("auto", None) else float(value), enabled=value is not None,
                    floor=float(r.hang_floor_seconds), factor=float(r.hang_factor),
-                   startup=float(r.hang_startup_seconds), checkpoint_period=int(config.checkpoint.period),
+                   startup=float(r.hang_startup_seconds),
+                   checkpoint_period=int(checkpoint_period or config.checkpoint.fixed_period or 0),
                    final_step=config.trainer.final_step)
 
 

@@ -48,11 +48,12 @@ def _render(value: Any) -> str:
     return str(value)
 
 
-def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str,
-                      gradient_accumulation_steps: int | None = None) -> list[str]:
+def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str, gradient_accumulation_steps: int | None = None,
+                      checkpoint_period: int | None = None) -> list[str]:
     """MaxText key=value arguments, the same for every rank: the recipe's overrides, then the settings rkit
     owns. Each rank's agent adds its own `metrics_file` (see `rank_overrides`). An attempt on fewer nodes than
-    the recipe's (run/elastic.py) gives the accumulation that keeps its global batch."""
+    the recipe's (run/elastic.py) gives the accumulation that keeps its global batch; with checkpoint.period
+    auto, the period chosen for the attempt (run/cadence.py)."""
     ckpt = config.checkpoint
     overrides = dict(config.trainer.overrides or {})
     if gradient_accumulation_steps is not None:
@@ -63,7 +64,7 @@ def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str,
         "base_output_directory": str(run.maxtext_base.resolve()),
         "run_name": run.maxtext_run_name,
         "enable_checkpointing": True,
-        "checkpoint_period": ckpt.period,
+        "checkpoint_period": checkpoint_period or ckpt.fixed_period or 100,
         "async_checkpointing": ckpt.asynchronous,
         # Without it MaxText stops at the preemption sync point *without* saving (only period steps are saved).
         "enable_autocheckpoint": True,

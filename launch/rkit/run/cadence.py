@@ -1,0 +1,134 @@
+"""`checkpoint.period: auto`: the save period chosen from what rkit measured, before every attempt.
+
+Young's and Daly's first-order optimum: checkpoint every sqrt(2 x C x M) seconds of training, C the time a save
+stalls training and M the mean time between failures; a failure then loses on average half that interval and the
+saves cost C per interval, about sqrt(2 C / M) of the time in all. rkit measures both:
+
+- C: Orbax's blocking part of each save (async; the whole save when synchronous), from the ranks' logs of this
+  run and of earlier runs of the same config hash in the same runs directory (the same model, file system and
+  image save the same bytes);
+- M: the failures (every attempt that ended other than completed, preempted or interrupted) over the hours
+  attempts trained, in every run of the runs directory (the cluster's rate), with a stated prior of one failure
+  per PRIOR_MTBF_HOURS counted as one more observation, so that a new cluster is not taken as failure-free;
+- the step time (steady state, from the same runs as C) turns the interval into MaxText's checkpoint_period.
+
+MaxText's checkpoint_period is fixed for an attempt, so the period is chosen again when each attempt starts (with
+what the previous attempts measured), within checkpoint.min_period and max_period. Every save lands on a step
+MaxText saves and restores as usual. `choose` is pure; `measure` reads the runs directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rkit.contract.config import Config
+from rkit.contract.errors import RkitError
+from rkit.contract.events import EV
+from rkit.contract.rundir import RunDir
+from rkit.readers.outcome import save_seconds, steady_state
+from rkit.runtime.telemetry import metrics
+
+PRIOR_MTBF_HOURS = 24.0  # one failure a day: a small cluster's job-level rate when nothing has been seen yet
+DEFAULT_PERIOD = 100  # before any save or step has been measured (the schema's default period)
+NOT_FAILURES = {"completed", "preempted", "interrupted", "incomplete"}
+MOST_RUNS = 200  # the newest run directories read for the failure rate
+MOST_ALIKE = 6  # this run and the newest runs of its config hash read for the save stall and the step time
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the period is chosen from; None where nothing was measured yet."""
+
+    save_seconds: float | None  # median stall per save
+    saves: int
+    step_seconds: float | None  # median steady-state step time
+    failures: int
+    hours: float  # attempt hours observed (all runs of the runs directory)
+
+
+@dataclass(frozen=True)
+class Choice:
+    period: int
+    interval_seconds: float | None
+    mtbf_seconds: float
+    why: str
+
+    def as_event(self, m: Measured) -> dict[str, Any]:
+        return {"period": self.period, "interval_seconds": self.interval_seconds, "mtbf_seconds": self.mtbf_seconds,
+                "save_seconds": m.save_seconds, "saves": m.saves, "step_seconds": m.step_seconds,
+                "failures": m.failures, "hours": round(m.hours, 3), "reason": self.why}
+
+
+def bounds(config: Config) -> tuple[int, int | None]:
+    ckpt = config.checkpoint
+    low = int(ckpt.min_period) if ckpt.min_period is not None else 1
+    return low, int(ckpt.max_period) if ckpt.max_period is not None else None
+
+
+def choose(config: Config, m: Measured) -> Choice:
+    """The period for the next attempt (pure)."""
+    mtbf = (m.hours + PRIOR_MTBF_HOURS) / (m.failures + 1) * 3600.0
+    low, high = bounds(config)
+    seen = f"{m.failures} failure(s) in {m.hours:.2f} h of attempts, with a prior of 1 in {PRIOR_MTBF_HOURS:g} h"
+    if m.save_seconds is None or m.step_seconds is None or m.step_seconds <= 0:
+        period = max(low, DEFAULT_PERIOD if high is None else min(high, DEFAULT_PERIOD))
+        return Choice(period, None, mtbf, f"no save or step measured yet: {period} steps until one is (MTBF "
+                                          f"{mtbf / 3600:.1f} h: {seen})")
+    interval = math.sqrt(2.0 * m.save_seconds * mtbf)
+    steps = max(1, round(interval / m.step_seconds))
+    period = max(low, steps if high is None else min(high, steps))
+    clipped = "" if period == steps else f", bounded to {period} by checkpoint." + (
+        "min_period" if period == low else "max_period")
+    return Choice(period, round(interval, 3), mtbf,
+                  f"Young/Daly: sqrt(2 x save {m.save_seconds:.3f} s x MTBF {mtbf / 3600:.2f} h) = {interval:.0f} s "
+                  f"= {steps} steps of {m.step_seconds:.4f} s{clipped} (MTBF from {seen}; save stall: median of "
+                  f"{m.saves})")
+
+
+def _runs(run: RunDir) -> list[RunDir]:
+    """This run and the newest other run directories beside it."""
+    try:
+        entries = [e for e in os.scandir(run.path.parent) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return [run]
+    others = sorted((e for e in entries if Path(e.path) != run.path and os.path.isfile(Path(e.path) / "events.jsonl")),
+                    key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)[:MOST_RUNS]
+    return [run, *(RunDir(e.path) for e in others)]
+
+
+def _failures_and_hours(events: list[dict]) -> tuple[int, float]:
+    started = {e.get("attempt"): e["t"] for e in events if e.get("event") == EV.ATTEMPT_STARTED}
+    failures, seconds = 0, 0.0
+    for e in events:
+        if e.get("event") == EV.ATTEMPT_ENDED and e.get("attempt") in started:
+            seconds += max(0.0, e["t"] - started[e.get("attempt")])
+            failures += e.get("cause") not in NOT_FAILURES
+    return failures, seconds / 3600.0
+
+
+def measure(run: RunDir, config_hash: str | None) -> Measured:
+    """The runs directory's measurements: save stalls and step times of the runs with this config hash, failures
+    and attempt hours of every run (a damaged or foreign directory adds nothing)."""
+    stalls: list[float] = []
+    steps: list[float] = []
+    failures, hours, alike = 0, 0.0, 0
+    for other in _runs(run):
+        try:
+            events = other.events()
+            same = other is run or (config_hash is not None and other.load_manifest().get("config_hash") == config_hash)
+        except (OSError, ValueError, RkitError):  # a damaged run directory beside this one tells nothing
+            continue
+        f, h = _failures_and_hours(events)
+        failures, hours = failures + f, hours + h
+        if same and alike < MOST_ALIKE:
+            alike += 1
+            whole, blocking = save_seconds([other.rank_log(n, 0) for n in other.attempt_numbers()])
+            stalls.extend(blocking or whole)
+            steps.extend(steady_state(metrics.lines(other, 0), "step_time"))
+    return Measured(save_seconds=statistics.median(stalls) if stalls else None, saves=len(stalls),
+                    step_seconds=statistics.median(steps) if steps else None, failures=failures, hours=hours)

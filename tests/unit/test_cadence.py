@@ -1,0 +1,91 @@
+"""checkpoint.period: auto (run/cadence.py): Young/Daly's period from the measured save stall, step time and
+failure rate, within the recipe's bounds; what is measured from a runs directory (this run's and its
+config hash's save stalls and step times, every run's failures); the recipe's checks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rkit.contract.errors import RecipeError
+from rkit.contract.rundir import RunDir
+from rkit.recipe.load import load_recipe
+from rkit.run import cadence
+from rkit.run.cadence import PRIOR_MTBF_HOURS, Measured, choose, measure
+
+from ..conftest import TINY
+from .synthetic_run import CONFIG_HASH, write_run
+
+
+def config(*overrides: str):
+    return load_recipe(TINY, ["checkpoint.period=auto", *overrides]).config
+
+
+def test_young_daly_from_the_measurements():
+    m = Measured(save_seconds=2.0, saves=5, step_seconds=0.5, failures=3, hours=12.0)
+    c = choose(config(), m)
+    mtbf = (12.0 + PRIOR_MTBF_HOURS) / 4 * 3600  # the prior counts as one more failure interval
+    assert c.mtbf_seconds == pytest.approx(mtbf)
+    assert c.interval_seconds == pytest.approx(math.sqrt(2 * 2.0 * mtbf), abs=1e-3)
+    assert c.period == round(math.sqrt(2 * 2.0 * mtbf) / 0.5)  # 1139 steps
+    assert c.why.startswith("Young/Daly")
+    # a longer save or a more reliable cluster saves less often; a slower step means fewer steps
+    assert choose(config(), Measured(8.0, 5, 0.5, 3, 12.0)).period == pytest.approx(2 * c.period, abs=1)
+    assert choose(config(), Measured(2.0, 5, 1.0, 3, 12.0)).period == pytest.approx(c.period / 2, abs=1)
+    assert choose(config(), Measured(2.0, 5, 0.5, 0, 0.0)).period > c.period
+
+
+def test_the_bounds_and_the_start_before_anything_was_measured():
+    m = Measured(save_seconds=2.0, saves=5, step_seconds=0.5, failures=3, hours=12.0)
+    assert choose(config("checkpoint.max_period=50"), m).period == 50
+    bounded = choose(config("checkpoint.max_period=50"), m).why
+    assert "bounded to 50 by checkpoint.max_period" in bounded
+    tiny = Measured(save_seconds=0.001, saves=1, step_seconds=10.0, failures=50, hours=1.0)
+    assert choose(config("checkpoint.min_period=20"), tiny).period == 20
+    nothing = Measured(save_seconds=None, saves=0, step_seconds=None, failures=0, hours=0.0)
+    first = choose(config(), nothing)
+    assert first.period == cadence.DEFAULT_PERIOD and first.interval_seconds is None
+    assert "no save or step measured yet" in first.why
+    assert choose(config("checkpoint.max_period=10"), nothing).period == 10
+
+
+def test_what_a_runs_directory_measured(tmp_path: Path):
+    runs = tmp_path / "runs"
+    run = RunDir(write_run(runs / "this"))  # 2 attempts: a hang (a failure) and a completion, 94 s in all
+    log = run.rank_log(1, 0)
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"I1202 x.py:1] [async] Finished blocking save in {s} seconds\n" for s in (0.4, 0.5, 0.9))
+                   + "I1202 x.py:1] [async] Finished save (blocking + background) in 3.0 seconds\n")
+    other = RunDir(write_run(runs / "other-model"))  # another config: its failures count, its saves do not
+    manifest = json.loads(other.manifest.read_text())
+    other.manifest.write_text(json.dumps({**manifest, "config_hash": "sha256:" + "ef" * 32}))
+    other.rank_log(1, 0).parent.mkdir(parents=True)
+    other.rank_log(1, 0).write_text("I1202 x.py:1] [async] Finished blocking save in 100.0 seconds\n")
+    (runs / "damaged").mkdir()
+    (runs / "damaged" / "events.jsonl").write_bytes(b"\x00\xff{not json\n")
+    (runs / "damaged" / "manifest.json").write_text("[1, 2]")
+    m = measure(run, CONFIG_HASH)
+    assert m.save_seconds == 0.5 and m.saves == 3  # the blocking part, this config's runs only
+    assert m.step_seconds == 1.0  # steady state (the saves' 3 s steps are outliers)
+    assert m.failures == 2 and m.hours == pytest.approx(2 * 94 / 3600)
+    event = choose(config(), m).as_event(m)
+    assert {"period", "interval_seconds", "mtbf_seconds", "save_seconds", "step_seconds", "failures",
+            "reason"} <= set(event)
+
+
+def test_a_run_directory_with_nothing_yet(tmp_path: Path):
+    m = measure(RunDir(tmp_path / "runs" / "new"), None)
+    assert (m.save_seconds, m.step_seconds, m.failures, m.hours) == (None, None, 0, 0.0)
+
+
+def test_the_recipe_checks():
+    assert config().checkpoint.auto and config().checkpoint.fixed_period is None
+    assert load_recipe(TINY).config.checkpoint.fixed_period == 10
+    for bad, key in ((["checkpoint.period=often"], "checkpoint.period"),
+                     (["checkpoint.min_period=5", "checkpoint.max_period=2"], "checkpoint.min_period")):
+        with pytest.raises(RecipeError) as err:
+            load_recipe(TINY, bad)
+        assert key in {p.path for p in err.value.problems}
