@@ -638,3 +638,31 @@ def test_a_lost_node_with_no_spare_shrinks_to_one_process_with_the_same_global_b
           f"{SHRINK_TOLERANCE}); failure -> "
           f"first step on 1 process {first_small['t'] - failed[0]['t']:.1f} s; median step time 2 processes "
           f"{median_step(1):.4f} s, 1 process {median_step(2):.4f} s")
+
+
+def test_period_auto_chooses_the_period_from_the_measured_save_and_step(workspace: Path, baseline: RunDir):
+    # Attempt 1 has nothing measured (a new config hash): the default, bounded to max_period 10. Attempt 2's period
+    # comes from attempt 1's own Orbax save stalls and step times (Young/Daly), bounded to 10 again: a tiny model
+    # saves in milliseconds, so the optimum is thousands of steps.
+    run = run_tiny(workspace, "auto", "-o", "checkpoint.period=auto", "-o", "checkpoint.max_period=10",
+                   "--inject", "kill:rank=1,step=22")
+    chosen = events(run, "checkpoint.period")
+    assert [(e["attempt"], e["period"]) for e in chosen] == [(1, 10), (2, 10)]
+    assert chosen[0]["save_seconds"] is None and "no save or step measured yet" in chosen[0]["reason"]
+    second = chosen[1]
+    assert second["saves"] >= 2 and 0 < second["save_seconds"] < 30 and 0 < second["step_seconds"] < 30
+    assert second["failures"] >= 1  # attempt 1's kill, counted with every run of the workspace
+    assert second["interval_seconds"] == pytest.approx((2 * second["save_seconds"] * second["mtbf_seconds"]) ** 0.5,
+                                                       abs=1e-2)
+    assert second["reason"].startswith("Young/Daly") and "bounded to 10 by checkpoint.max_period" in second["reason"]
+    assert [e["checkpoint_period"] for e in events(run, "attempt.started")] == [10, 10]
+    attempt2 = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
+    assert all("checkpoint_period=10" in r["argv"] for r in attempt2["launch"]["ranks"])
+    # saved on the chosen period's steps (step 20's async save may not have committed before the kill at 22)
+    assert events(run, "attempt.started")[1]["resume_from_step"] in (10, 20)
+    assert "checkpoint every 10 steps from attempt 2 (period: auto; Young/Daly" in \
+        rkit("status", str(run.path), check=0).stdout
+    assert final_loss(run) == final_loss(baseline)
+    print(f"period auto: save stall {second['save_seconds']} s (median of {second['saves']}), step "
+          f"{second['step_seconds']} s, MTBF {second['mtbf_seconds'] / 3600:.1f} h -> Young/Daly "
+          f"{second['interval_seconds']} s")
