@@ -350,7 +350,10 @@ def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back
 
 def test_batch_host_crash_slurm_requeues_and_the_run_continues(cluster, slurm_workspace, cpu_image,
                                                                clean_run: RunDir):
-    run = submit(cluster, slurm_workspace, "batchhost", cpu_image, "-o", "slurm.spare_nodes=0")
+    # Rank 1 stops at step 25, so the run cannot finish before the crash lands (beside a CPU hog it once committed
+    # its last step first, and the requeued job found nothing to do).
+    run = submit(cluster, slurm_workspace, "batchhost", cpu_image, "-o", "slurm.spare_nodes=0",
+                 "--inject", "hang:rank=1,step=25")
     victim, crashed_at = crash_when_at_step(cluster, run, 25, which=0)  # the batch script and the supervisor
     try:
         s = wait_finished(cluster, run)
