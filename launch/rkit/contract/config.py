@@ -49,9 +49,14 @@ class Resources:
         return int(self.nodes) if self.min_nodes is None else min(int(self.min_nodes), int(self.nodes))
 
     @property
+    def can_shrink(self) -> bool:
+        """min_nodes below nodes: an attempt may train on fewer nodes (now, or after waiting: when_short)."""
+        return self.fewest_nodes < int(self.nodes)
+
+    @property
     def elastic(self) -> bool:
         """Shrinks now when nodes are lost: min_nodes below nodes and the policy is to continue."""
-        return self.fewest_nodes < int(self.nodes) and self.when_short != "wait"
+        return self.can_shrink and self.when_short != "wait"
 
 
 @dataclass(frozen=True)

@@ -252,7 +252,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         if tps else None,
         "checkpoint_auto": fold.period_choice if config.checkpoint.auto else None,
         "elastic": {"nodes": config.resources.nodes, "min_nodes": config.resources.fewest_nodes}
-        if config.resources.fewest_nodes < config.resources.nodes else None,
+        if config.resources.can_shrink else None,
         "step_time_seconds": step_time,
         "elapsed_seconds": round(ended - started, 1) if started else None,
         "eta_seconds": round(eta, 1) if eta is not None else None,

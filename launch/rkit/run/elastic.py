@@ -110,7 +110,7 @@ def size_for(config: Config, healthy: int) -> int | None:
 def problems(config: Config) -> list[Problem]:
     """Why this recipe cannot shrink, before anything starts (only asked when min_nodes is below nodes)."""
     res = config.resources
-    if res.min_nodes is None or res.fewest_nodes >= int(res.nodes):
+    if not res.can_shrink:
         return []
     found = []
     where = "trainer.overrides."

@@ -27,7 +27,6 @@ KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"r
          "preempt": {"step"}, "lose_node": {"rank", "step"}}
 REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"},
             "preempt": {"step"}, "lose_node": {"rank", "step"}}
-SUPERVISOR_KINDS = ("sigterm", "preempt", "lose_node")  # fired by the supervisor, not in the rank
 FIRED_EVENT = EV.INJECT_FIRED
 
 

@@ -92,7 +92,7 @@ def sbatch_options(config: Config) -> list[str]:
         opts.append(f"--gpus-per-node={slurm.gpus_per_node}")
     if slurm.exclusive:
         opts.append("--exclusive")
-    if slurm.spare_nodes or res.fewest_nodes < res.nodes:
+    if slurm.spare_nodes or res.can_shrink:
         # A dead node must not end the job when a spare can replace it, or the others train on without it
         # (resources.min_nodes): the supervisor excludes it instead.
         opts.append("--no-kill")

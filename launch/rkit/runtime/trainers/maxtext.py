@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,7 +274,6 @@ def after_initialize(then: Callable[[Any], None]) -> None:
     train.initialize = initialize_then
 
 
-
 def mesh_record(config: Any, devices: int) -> dict[str, Any]:
     """What an attempt trains on, from MaxText's resolved config: its devices, the mesh's axes that are not 1
     (an auto axis, -1, as the size it takes: within a slice for ici_*, across slices for dcn_*) and the batch
@@ -283,9 +283,7 @@ def mesh_record(config: Any, devices: int) -> dict[str, Any]:
     for prefix, total in (("ici", max(1, devices // slices)), ("dcn", slices)):
         sizes = {name: int(getattr(config, f"{prefix}_{name}_parallelism", 1) or 1)
                  for name in getattr(config, "mesh_axes", ()) or ()}
-        fixed = 1
-        for value in sizes.values():
-            fixed *= value if value > 0 else 1
+        fixed = math.prod(value for value in sizes.values() if value > 0)  # the auto axis (-1) takes the rest
         for name, value in sizes.items():
             size = total // fixed if value == -1 else value
             if size != 1:
