@@ -697,3 +697,19 @@ def test_every_event_rkit_writes_passes_the_vocabularys_field_types(tmp_path):
     assert sup.run_to_end() is RunState.FINISHED
     written = [json.loads(line) for line in sup.run.events_file.read_text().splitlines()]
     assert [e["event"] for e in written if not valid_event(e)] == []
+
+
+def test_a_time_period_is_turned_into_steps_of_each_attempts_measured_step_time(tmp_path):
+    # The fake steps take 1.0 s: 30s is 30 steps once attempt 1 measured them, 100 (bounded to 50) before.
+    from rkit.readers.status import render_status, status
+
+    sup, backend = make(tmp_path, Script(kill=(1, 6)), "checkpoint.period=30s", "checkpoint.max_period=50")
+    attempt(sup)
+    attempt(sup)
+    chosen = events(sup.run, EV.CHECKPOINT_PERIOD)
+    assert [(e["attempt"], e["period"], e["interval_seconds"]) for e in chosen] == [(1, 50, None), (2, 30, 30.0)]
+    assert chosen[1]["reason"] == "every 30s = 30 s = 30 steps of 1.0000 s"
+    assert "checkpoint_period=30" in backend.requests[1].trainer_args
+    sup.run.resolved.write_text("{}")  # what `rkit run` stamps first; the config is given
+    text = render_status(status(sup.run, config=sup.config, stamp={}))
+    assert "checkpoint every 30 steps from attempt 2 (period: 30s; every 30s = 30 s = 30 steps of 1.0000 s)" in text

@@ -89,3 +89,22 @@ def test_the_recipe_checks():
         with pytest.raises(RecipeError) as err:
             load_recipe(TINY, bad)
         assert key in {p.path for p in err.value.problems}
+
+
+def test_a_time_period_becomes_steps_of_the_measured_step_time():
+    every = config("checkpoint.period=10m").checkpoint
+    assert every.auto and every.every_seconds == 600.0 and every.fixed_period is None
+    assert [config(f"checkpoint.period={t}").checkpoint.every_seconds for t in ("90s", "1.5h")] == [90.0, 5400.0]
+    m = Measured(save_seconds=2.0, saves=5, step_seconds=0.5, failures=3, hours=12.0)
+    c = choose(config("checkpoint.period=10m"), m)
+    assert (c.period, c.interval_seconds) == (1200, 600.0)  # 600 s of 0.5 s steps, whatever the save or MTBF
+    assert c.why == "every 10m = 600 s = 1200 steps of 0.5000 s"
+    assert choose(config("checkpoint.period=10m", "checkpoint.max_period=300"), m).period == 300
+    nothing = Measured(save_seconds=None, saves=0, step_seconds=None, failures=0, hours=0.0)
+    first = choose(config("checkpoint.period=90s"), nothing)
+    assert first.period == cadence.DEFAULT_PERIOD and "no step time measured yet" in first.why
+    for bad in ("10 m", "10d", "-5m", "m", "0.5"):
+        with pytest.raises(RecipeError) as err:
+            load_recipe(TINY, [f"checkpoint.period={bad}"])
+        problem = next(p for p in err.value.problems if p.path == "checkpoint.period")
+        assert "90s, 10m or 1.5h" in problem.message

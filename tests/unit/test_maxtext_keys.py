@@ -76,8 +76,9 @@ def test_validate_and_dry_run_refuse_a_misspelled_override_before_anything_start
 def test_an_o_mistake_is_named_at_the_option_not_at_a_recipe_line():
     done = rkit("validate", str(TINY), "-o", "checkpoint.period=abc", check=2)
     # No line: the recipe's own line for the key says `period: 10`, not what was refused.
-    assert f"  {TINY}: checkpoint.period: 'abc' is a string; expected integer (steps) or auto (chosen from the " \
-        "measured save cost and failure rate). (from -o checkpoint.period=abc)" in done.stderr
+    assert f"  {TINY}: checkpoint.period: 'abc' is not a period; expected an integer (steps), auto (chosen from " \
+        "the measured save cost and failure rate) or a time such as 90s, 10m or 1.5h. (from -o " \
+        "checkpoint.period=abc)" in done.stderr
 
 
 def test_the_already_exists_hint_repeats_the_users_own_options(tmp_path):

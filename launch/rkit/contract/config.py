@@ -61,15 +61,23 @@ class Resources:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    period: int | str  # steps, or "auto" (run/cadence.py)
+    period: int | str  # steps, "auto", or a time such as "10m" (run/cadence.py)
     keep: int | None
     asynchronous: bool  # the recipe's `async`
-    min_period: int | None = None  # period: auto's bounds (no schema default: older config hashes unchanged)
+    min_period: int | None = None  # the chosen period's bounds (no schema default: older config hashes unchanged)
     max_period: int | None = None
 
     @property
     def auto(self) -> bool:
-        return self.period == "auto"
+        """rkit chooses each attempt's period: `auto` (Young/Daly) or a time (`10m`)."""
+        return isinstance(self.period, str)
+
+    @property
+    def every_seconds(self) -> float | None:
+        """The time form's interval (`90s`, `10m`, `1.5h`) in seconds; None for steps or auto."""
+        if not isinstance(self.period, str) or self.period == "auto":
+            return None
+        return float(self.period[:-1]) * {"s": 1.0, "m": 60.0, "h": 3600.0}[self.period[-1]]
 
     @property
     def fixed_period(self) -> int | None:

@@ -250,7 +250,8 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         # the newest attempt's processes: an elastic run's shrunk attempt has fewer than the recipe's
         "tokens_per_sec": statistics.median(tps) * ((table[-1].get("processes") if table else None) or processes)
         if tps else None,
-        "checkpoint_auto": fold.period_choice if config.checkpoint.auto else None,
+        "checkpoint_auto": dict(fold.period_choice, setting=config.checkpoint.period)
+        if config.checkpoint.auto and fold.period_choice else None,
         "elastic": {"nodes": config.resources.nodes, "min_nodes": config.resources.fewest_nodes}
         if config.resources.can_shrink else None,
         "step_time_seconds": step_time,
@@ -290,8 +291,8 @@ def render_status(s: dict[str, Any]) -> str:
     lines.append(f"config     {s['config_hash']}")
     lines.append(f"goodput    {render_goodput(s['goodput'])}")
     if (auto := s.get("checkpoint_auto")) and isinstance(auto, dict):
-        lines.append(f"checkpoint every {auto.get('period')} steps from attempt {auto.get('attempt')} (period: auto; "
-                     f"{auto.get('reason')})")
+        lines.append(f"checkpoint every {auto.get('period')} steps from attempt {auto.get('attempt')} (period: "
+                     f"{auto.get('setting', 'auto')}; {auto.get('reason')})")
     if s.get("outcome") and s["outcome"]["loss_sha256"]:
         o = s["outcome"]
         lines.append(f"outcome    loss {o['loss_sha256']} over steps {o['first_step']}-{o['last_step']} "

@@ -116,14 +116,14 @@ def _schema_problems(data: dict) -> list[Problem]:
         elif err.validator == "enum":
             valid = ", ".join(repr(v) for v in err.validator_value)
             problems.append(Problem(dotted(path), f"{err.instance!r} is not one of {valid}."))
+        elif err.validator in ("type", "pattern") and tuple(path) == ("checkpoint", "period"):
+            problems.append(Problem("checkpoint.period", f"{short(err.instance)} is not a period; expected an integer "
+                                                         "(steps), auto (chosen from the measured save cost and "
+                                                         "failure rate) or a time such as 90s, 10m or 1.5h."))
         elif err.validator == "type":
             want = err.validator_value if isinstance(err.validator_value, str) else " or ".join(err.validator_value)
             problems.append(Problem(dotted(path), f"{short(err.instance)} is a {_json_type(err.instance)}; "
                                                   f"expected {want}."))
-        elif err.validator == "pattern" and tuple(path) == ("checkpoint", "period"):
-            problems.append(Problem("checkpoint.period", f"{short(err.instance)} is a string; expected integer (steps) "
-                                                         "or auto (chosen from the measured save cost and failure "
-                                                         "rate)."))
         elif err.validator == "pattern" and path and path[0] == "name":
             problems.append(Problem("name", f"{err.instance!r} is not a valid run name: use letters, digits, "
                                             "'.', '_' and '-' (at most 128, starting with a letter or digit)."))

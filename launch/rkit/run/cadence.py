@@ -12,6 +12,9 @@ saves cost C per interval, about sqrt(2 C / M) of the time in all. rkit measures
   per PRIOR_MTBF_HOURS counted as one more observation, so that a new cluster is not taken as failure-free;
 - the step time (steady state, from the same runs as C) turns the interval into MaxText's checkpoint_period.
 
+`checkpoint.period: 10m` (a time: s, m or h) asks for that much training between saves instead; the measured step
+time turns it into steps the same way.
+
 MaxText's checkpoint_period is fixed for an attempt, so the period is chosen again when each attempt starts (with
 what the previous attempts measured), within checkpoint.min_period and max_period. Every save lands on a step
 MaxText saves and restores as usual. `choose` is pure; `measure` reads the runs directory.
@@ -74,6 +77,8 @@ def choose(config: Config, m: Measured) -> Choice:
     """The period for the next attempt (pure)."""
     mtbf = (m.hours + PRIOR_MTBF_HOURS) / (m.failures + 1) * 3600.0
     low, high = bounds(config)
+    if (every := config.checkpoint.every_seconds) is not None:
+        return _every(config, every, m, mtbf)
     seen = f"{m.failures} failure(s) in {m.hours:.2f} h of attempts, with a prior of 1 in {PRIOR_MTBF_HOURS:g} h"
     if m.save_seconds is None or m.step_seconds is None or m.step_seconds <= 0:
         period = max(low, DEFAULT_PERIOD if high is None else min(high, DEFAULT_PERIOD))
@@ -88,6 +93,21 @@ def choose(config: Config, m: Measured) -> Choice:
                   f"Young/Daly: sqrt(2 x save {m.save_seconds:.3f} s x MTBF {mtbf / 3600:.2f} h) = {interval:.0f} s "
                   f"= {steps} steps of {m.step_seconds:.4f} s{clipped} (MTBF from {seen}; save stall: median of "
                   f"{m.saves})")
+
+
+def _every(config: Config, every: float, m: Measured, mtbf: float) -> Choice:
+    """The time form (period: 10m): that much training between saves, in steps of the measured step time."""
+    low, high = bounds(config)
+    if m.step_seconds is None or m.step_seconds <= 0:
+        period = max(low, DEFAULT_PERIOD if high is None else min(high, DEFAULT_PERIOD))
+        return Choice(period, None, mtbf, f"no step time measured yet: {period} steps until one is (every "
+                                          f"{config.checkpoint.period})")
+    steps = max(1, round(every / m.step_seconds))
+    period = max(low, steps if high is None else min(high, steps))
+    clipped = "" if period == steps else f", bounded to {period} by checkpoint." + (
+        "min_period" if period == low else "max_period")
+    return Choice(period, every, mtbf, f"every {config.checkpoint.period} = {every:.0f} s = {steps} steps "
+                                       f"of {m.step_seconds:.4f} s{clipped}")
 
 
 def _runs(run: RunDir) -> list[RunDir]:
