@@ -296,15 +296,16 @@ def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back
                                                                                     cpu_image):
     # resources.min_nodes=1, no spare: sbatch --nodes=1-2 --no-kill. Rank 1 stops at step 12 (so that attempt 1
     # cannot train past it, whatever the machine's speed), then its node crashes: the run goes on at once on the
-    # batch host alone, with twice the accumulation. In that attempt rank 0 stops at step 20 and the preemption
-    # injected there requeues the job (without the stop, one fast node trained to step 200 before the preemption
-    # landed, beside a CPU hog, and the run finished); the requeued job gets two nodes again and the last attempt
-    # trains at full size.
+    # batch host alone, with twice the accumulation. The preemption injected at step 15 (in that attempt) requeues
+    # the job, saved or not: rank 0 stops at step 20, so that one fast node cannot train to step 200 before the
+    # preemption lands (beside a CPU hog it did, and the run finished). The stop comes after the step at which
+    # the preemption fires: the supervisor reads a step from the metrics, written a step late. The requeued job
+    # gets two nodes again and the last attempt trains at full size.
     clean_run = submit(cluster, slurm_workspace, "clean-200", cpu_image, *LONG)
     wait_finished(cluster, clean_run)
     run = submit(cluster, slurm_workspace, "elastic", cpu_image, *LONG, "-o", "slurm.spare_nodes=0",
                  "-o", "resources.min_nodes=1", "--inject", "hang:rank=1,step=12",
-                 "--inject", "hang:rank=0,step=20", "--inject", "preempt:step=20",
+                 "--inject", "hang:rank=0,step=20", "--inject", "preempt:step=15",
                  "-o", "resilience.signal_grace_seconds=5")
     script = run.batch_script.read_text()
     assert "--nodes=1-2" in script and "--no-kill" in script
