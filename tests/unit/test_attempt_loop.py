@@ -233,6 +233,7 @@ def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3
                                 "resilience.hang_timeout=5", "resilience.signal_grace_seconds=3", *overrides])
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
+    run.resolved.write_text(json.dumps(recipe.resolved))  # what `rkit run` stamps first
     ref: list = []
     backend = (backend_class or FakeBackend)(run, ref, script, nodes=nodes)
     missing = [m for m in vars(Backend) if not m.startswith("_") and not hasattr(backend, m)]
@@ -710,6 +711,5 @@ def test_a_time_period_is_turned_into_steps_of_each_attempts_measured_step_time(
     assert [(e["attempt"], e["period"], e["interval_seconds"]) for e in chosen] == [(1, 50, None), (2, 30, 30.0)]
     assert chosen[1]["reason"] == "every 30s = 30 s = 30 steps of 1.0000 s"
     assert "checkpoint_period=30" in backend.requests[1].trainer_args
-    sup.run.resolved.write_text("{}")  # what `rkit run` stamps first; the config is given
     text = render_status(status(sup.run, config=sup.config, stamp={}))
     assert "checkpoint every 30 steps from attempt 2 (period: 30s; every 30s = 30 s = 30 steps of 1.0000 s)" in text

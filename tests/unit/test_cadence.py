@@ -17,7 +17,7 @@ from rkit.run import cadence
 from rkit.run.cadence import PRIOR_MTBF_HOURS, Measured, choose, measure
 
 from ..conftest import TINY
-from .synthetic_run import CONFIG_HASH, write_run
+from .synthetic_run import write_run
 
 
 def config(*overrides: str):
@@ -59,18 +59,25 @@ def test_what_a_runs_directory_measured(tmp_path: Path):
     log.parent.mkdir(parents=True)
     log.write_text("".join(f"I1202 x.py:1] [async] Finished blocking save in {s} seconds\n" for s in (0.4, 0.5, 0.9))
                    + "I1202 x.py:1] [async] Finished save (blocking + background) in 3.0 seconds\n")
-    other = RunDir(write_run(runs / "other-model"))  # another config: its failures count, its saves do not
-    manifest = json.loads(other.manifest.read_text())
-    other.manifest.write_text(json.dumps({**manifest, "config_hash": "sha256:" + "ef" * 32}))
+    other = RunDir(write_run(runs / "other-model"))  # another model: its failures count, its saves do not
+    resolved = json.loads(other.resolved.read_text())
+    other.resolved.write_text(json.dumps({**resolved, "trainer": {**resolved["trainer"], "overrides": {"d": 2}}}))
     other.rank_log(1, 0).parent.mkdir(parents=True)
     other.rank_log(1, 0).write_text("I1202 x.py:1] [async] Finished blocking save in 100.0 seconds\n")
+    longer = RunDir(write_run(runs / "longer"))  # the same model, longer and with another period: alike in cost
+    longer.resolved.write_text(json.dumps({**resolved, "trainer": {**resolved["trainer"], "steps": 5000},
+                                           "checkpoint": {"period": "auto", "max_period": 7}}))
+    longer.rank_log(1, 0).parent.mkdir(parents=True)
+    longer.rank_log(1, 0).write_text("I1202 x.py:1] [async] Finished blocking save in 0.7 seconds\n")
     (runs / "damaged").mkdir()
     (runs / "damaged" / "events.jsonl").write_bytes(b"\x00\xff{not json\n")
     (runs / "damaged" / "manifest.json").write_text("[1, 2]")
-    m = measure(run, CONFIG_HASH)
-    assert m.save_seconds == 0.5 and m.saves == 3  # the blocking part, this config's runs only
+    m = measure(run, run.load_resolved())
+    assert m.save_seconds == 0.6 and m.saves == 4  # the blocking part, of the runs alike in cost only
     assert m.step_seconds == 1.0  # steady state (the saves' 3 s steps are outliers)
-    assert m.failures == 2 and m.hours == pytest.approx(2 * 94 / 3600)
+    assert m.failures == 3 and m.hours == pytest.approx(3 * 94 / 3600)
+    assert cadence.cost_key(longer.load_resolved()) == cadence.cost_key(run.load_resolved()) != \
+        cadence.cost_key(other.load_resolved())
     event = choose(config(), m).as_event(m)
     assert {"period", "interval_seconds", "mtbf_seconds", "save_seconds", "step_seconds", "failures",
             "reason"} <= set(event)

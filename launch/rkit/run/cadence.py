@@ -5,8 +5,8 @@ stalls training and M the mean time between failures; a failure then loses on av
 saves cost C per interval, about sqrt(2 C / M) of the time in all. rkit measures both:
 
 - C: Orbax's blocking part of each save (async; the whole save when synchronous), from the ranks' logs of this
-  run and of earlier runs of the same config hash in the same runs directory (the same model, file system and
-  image save the same bytes);
+  run and of earlier runs alike in cost in the same runs directory: the same config but for the length of the run
+  and the checkpoint period (cost_key: the same model, mesh, image and file system save the same bytes);
 - M: the failures (every attempt that ended other than completed, preempted or interrupted) over the hours
   attempts trained, in every run of the runs directory (the cluster's rate), with a stated prior of one failure
   per PRIOR_MTBF_HOURS counted as one more observation, so that a new cluster is not taken as failure-free;
@@ -33,6 +33,7 @@ from rkit.contract.config import Config
 from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
+from rkit.contract.stamp import config_hash, hashed_config
 from rkit.readers.outcome import save_seconds, steady_state
 from rkit.runtime.telemetry import metrics
 
@@ -40,7 +41,7 @@ PRIOR_MTBF_HOURS = 24.0  # one failure a day: a small cluster's job-level rate w
 DEFAULT_PERIOD = 100  # before any save or step has been measured (the schema's default period)
 NOT_FAILURES = {"completed", "preempted", "interrupted", "incomplete"}
 MOST_RUNS = 200  # the newest run directories read for the failure rate
-MOST_ALIKE = 6  # this run and the newest runs of its config hash read for the save stall and the step time
+MOST_ALIKE = 6  # this run and the newest runs alike in cost read for the save stall and the step time
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,20 @@ def _every(config: Config, every: float, m: Measured, mtbf: float) -> Choice:
                                        f"of {m.step_seconds:.4f} s{clipped}")
 
 
+# What changes neither a save's stall nor a step's time: a longer run, or another period, measures the same.
+COST_FREE = ("trainer.steps", "checkpoint.period", "checkpoint.min_period", "checkpoint.max_period", "checkpoint.keep")
+
+
+def cost_key(resolved: dict) -> str:
+    """The config hash's part that decides what a save and a step cost (the hashed config less COST_FREE)."""
+    config = hashed_config(resolved)
+    for dotted in COST_FREE:
+        section, _, key = dotted.partition(".")
+        if isinstance(config.get(section), dict):
+            config[section] = {k: v for k, v in config[section].items() if k != key}
+    return config_hash(config)
+
+
 def _runs(run: RunDir) -> list[RunDir]:
     """This run and the newest other run directories beside it."""
     try:
@@ -131,17 +146,19 @@ def _failures_and_hours(events: list[dict]) -> tuple[int, float]:
     return failures, seconds / 3600.0
 
 
-def measure(run: RunDir, config_hash: str | None) -> Measured:
-    """The runs directory's measurements: save stalls and step times of the runs with this config hash, failures
-    and attempt hours of every run (a damaged or foreign directory adds nothing)."""
+def measure(run: RunDir, resolved: dict | None) -> Measured:
+    """The runs directory's measurements: save stalls and step times of this run (its resolved recipe) and of the
+    runs alike in cost (cost_key), failures and attempt hours of every run (a damaged or foreign directory adds
+    nothing)."""
+    key = cost_key(resolved) if resolved is not None else None
     stalls: list[float] = []
     steps: list[float] = []
     failures, hours, alike = 0, 0.0, 0
     for other in _runs(run):
         try:
             events = other.events()
-            same = other is run or (config_hash is not None and other.load_manifest().get("config_hash") == config_hash)
-        except (OSError, ValueError, RkitError):  # a damaged run directory beside this one tells nothing
+            same = other is run or (key is not None and cost_key(other.load_resolved()) == key)
+        except (OSError, ValueError, TypeError, AttributeError, RkitError):  # a damaged run directory tells nothing
             continue
         f, h = _failures_and_hours(events)
         failures, hours = failures + f, hours + h
@@ -152,3 +169,9 @@ def measure(run: RunDir, config_hash: str | None) -> Measured:
             steps.extend(steady_state(metrics.lines(other, 0), "step_time"))
     return Measured(save_seconds=statistics.median(stalls) if stalls else None, saves=len(stalls),
                     step_seconds=statistics.median(steps) if steps else None, failures=failures, hours=hours)
+
+
+def for_attempt(run: RunDir, config: Config, resolved: dict | None) -> tuple[Choice, Measured]:
+    """The next attempt's period (period: auto or a time) and what it was chosen from."""
+    measured = measure(run, resolved)
+    return choose(config, measured), measured

@@ -134,8 +134,8 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
                            jax_heartbeat_seconds=resilience.local_jax_heartbeat_seconds, nodes=res.nodes,
                            processes_per_node=res.processes_per_node)
     # Every injection is pending at a start: execute's run.submitted / run.resumed event begins their count.
-    # checkpoint.period auto: the period the first attempt would get, from what the runs directory measured
-    period = cadence.choose(recipe.config, cadence.measure(run, recipe.config_hash)).period \
+    # checkpoint.period auto or a time: the period the first attempt would get, from what the runs directory measured
+    period = cadence.for_attempt(run, recipe.config, recipe.resolved)[0].period \
         if recipe.config.checkpoint.auto else None
     request = attempt_request(backend, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
                               first, [i for i in injections if i.in_trainer], run.attempt_dir(first), period=period)

@@ -430,12 +430,11 @@ class Supervisor:
         return elastic.size_for(self.config, len(healthy)) is None
 
     def _choose_period(self, attempt: int) -> int | None:
-        """checkpoint.period: auto: the attempt's period from what the runs directory measured (run/cadence.py),
-        said as an event; the recipe's period otherwise."""
+        """checkpoint.period auto or a time: the attempt's period from what the runs directory measured
+        (run/cadence.py), said as an event; the recipe's period otherwise."""
         if not self.config.checkpoint.auto:
             return self.config.checkpoint.fixed_period
-        measured = cadence.measure(self.run, self.run.load_manifest().get("config_hash"))
-        choice = cadence.choose(self.config, measured)
+        choice, measured = cadence.for_attempt(self.run, self.config, self.run.load_resolved())
         self.run.emit(EV.CHECKPOINT_PERIOD, attempt=attempt, **choice.as_event(measured))
         return choice.period
 
