@@ -48,7 +48,7 @@ class EV:
     AGENT_ENV_DROPPED = "agent.env_dropped"  # M_<KEY> variables removed before MaxText read them (names only)
     EXPORTER_INSECURE = "exporter.insecure"  # a node's exporter serves plain HTTP beyond loopback (insecure: true)
     CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
-    CHECKPOINT_PERIOD = "checkpoint.period"  # period: auto's choice for an attempt: period, interval, MTBF, why
+    CHECKPOINT_PERIOD = "checkpoint.period"  # period auto or a time: an attempt's period, interval, why
     AGENT_DEVICES = "agent.devices"  # a rank's share of its node's GPUs: local rank, visibility variables
     DETERMINISM_CHECKED = "determinism.checked"  # a rank checked deterministic mode's switches after MaxText's set-up
     DETERMINISM_CLOBBERED = "determinism.clobbered"  # one per switch that did not survive: expected, found

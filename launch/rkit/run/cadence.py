@@ -1,4 +1,4 @@
-"""`checkpoint.period: auto`: the save period chosen from what rkit measured, before every attempt.
+"""`checkpoint.period: auto` (or a time, `10m`): the save period chosen from what rkit measured, before every attempt.
 
 Young's and Daly's first-order optimum: checkpoint every sqrt(2 x C x M) seconds of training, C the time a save
 stalls training and M the mean time between failures; a failure then loses on average half that interval and the
