@@ -1,6 +1,6 @@
 """The save overhead of checkpoint.period: auto against a fixed period, measured side by side in one session.
 
-    python tests/benchmarks/checkpoint_cadence.py [--steps 3000] [--fixed 10] [--repeats 1]
+    python tests/benchmarks/checkpoint_cadence.py [--steps 9000] [--fixed 10] [--repeats 1]
 
 First a short run with period auto measures the save stall and the step time (its only attempt saves every 100
 steps: nothing was measured before it). Then, per repeat, two runs of --steps steps alike in cost (same model,
@@ -46,7 +46,7 @@ def measure(workdir: Path, name: str, steps: int, period: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=9000)
     parser.add_argument("--fixed", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
