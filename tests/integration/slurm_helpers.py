@@ -76,12 +76,20 @@ def crash_when_at_step(cluster, run: RunDir, step: int, which: int) -> tuple[str
     return victim, crashed_at
 
 
+def final_event(run: RunDir) -> dict | None:
+    """The run's run.finished or run.gave_up event; None while it goes on."""
+    events = run.events() if run.events_file.exists() else []
+    return next((e for e in reversed(events) if e["event"] in ("run.finished", "run.gave_up")), None)
+
+
 def crash_and_wait_finished(cluster, run: RunDir, step: int, which: int) -> tuple[str, float]:
-    """crash_when_at_step, then wait until the run ended and its job left the queue; the node is brought back
-    whatever happens. Returns the node and the crash time."""
+    """crash_when_at_step, then wait for the run's final event, bring the node back (whatever happens) and wait
+    until the job left the queue: at Slurm's real timeouts the ended job waits in COMPLETING for the dead node
+    until it is back. Returns the node and the crash time."""
     victim, crashed_at = crash_when_at_step(cluster, run, step, which)
     try:
-        wait_finished(cluster, run)
+        wait_until(lambda: final_event(run), 900, "the run's final event", every=2)
     finally:
         subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
+    wait_until(lambda: squeue(cluster, job_of(run)) == "", 300, "the job to leave the queue", every=2)
     return victim, crashed_at

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 
 import psutil
 import pytest
@@ -21,11 +20,9 @@ from ..conftest import wait_until
 from .slurm_helpers import (
     FAST_TIMEOUTS,
     SLURM_TIMEOUTS,
-    TESTBED,
-    crash_when_at_step,
+    crash_and_wait_finished,
+    final_event,
     final_loss,
-    job_of,
-    squeue,
     status,
     submit,
     wait_finished,
@@ -47,21 +44,10 @@ def events_named(run: RunDir, name: str) -> list[dict]:
     return [e for e in run.events() if e["event"] == name] if run.events_file.exists() else []
 
 
-def final_event(run: RunDir) -> dict | None:
-    return next((e for e in reversed(events_named(run, "run.finished") + events_named(run, "run.gave_up"))), None)
-
-
 def crash_and_finish(cluster, run: RunDir) -> tuple[str, float]:
-    """Crash rank 1's node (the batch host lives) once rank 0 is past step 25; wait until the run finished, bring
-    the node back and wait until the job left the queue. Returns the node and the crash time."""
-    victim, crashed_at = crash_when_at_step(cluster, run, 25, which=1)
-    try:
-        # The run ends long before Slurm would mark the node down; its job then waits in COMPLETING for the dead
-        # node, until the node is back.
-        end = wait_until(lambda: final_event(run), 600, "the run's final event")
-    finally:
-        subprocess.run([str(TESTBED), "restore", victim], check=False, capture_output=True)
-    wait_until(lambda: squeue(cluster, job_of(run)) == "", 300, "the job to leave the queue", every=2)
+    """Crash rank 1's node (the batch host lives) once rank 0 is past step 25; the run must finish."""
+    victim, crashed_at = crash_and_wait_finished(cluster, run, 25, which=1)
+    end = final_event(run)
     assert end["event"] == "run.finished", end
     return victim, crashed_at
 
