@@ -110,6 +110,10 @@ def test_a_time_period_becomes_steps_of_the_measured_step_time():
     nothing = Measured(save_seconds=None, saves=0, step_seconds=None, failures=0, hours=0.0)
     first = choose(config("checkpoint.period=90s"), nothing)
     assert first.period == cadence.DEFAULT_PERIOD and "no step time measured yet" in first.why
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY, ["checkpoint.period=0.0m"])
+    assert [(p.path, p.message) for p in err.value.problems] == [
+        ("checkpoint.period", "'0.0m' is no time; give more than 0 (e.g. 10m). (from -o checkpoint.period=0.0m)")]
     for bad in ("10 m", "10d", "-5m", "m", "0.5"):
         with pytest.raises(RecipeError) as err:
             load_recipe(TINY, [f"checkpoint.period={bad}"])

@@ -173,6 +173,9 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                         "the value itself."))
     problems.extend(_elastic_problems(data))
     ckpt = data.get("checkpoint")
+    period = ckpt.get("period") if isinstance(ckpt, dict) else None
+    if isinstance(period, str) and re.fullmatch(r"0+(\.0+)?[smh]", period):
+        problems.append(Problem("checkpoint.period", f"{period!r} is no time; give more than 0 (e.g. 10m)."))
     if isinstance(ckpt, dict) and isinstance(ckpt.get("min_period"), int) and isinstance(ckpt.get("max_period"), int) \
             and ckpt["min_period"] > ckpt["max_period"]:
         problems.append(Problem("checkpoint.min_period", f"{ckpt['min_period']} is more than checkpoint.max_period "
