@@ -69,13 +69,17 @@ def test_what_a_runs_directory_measured(tmp_path: Path):
                                            "checkpoint": {"period": "auto", "max_period": 7}}))
     longer.rank_log(1, 0).parent.mkdir(parents=True)
     longer.rank_log(1, 0).write_text("I1202 x.py:1] [async] Finished blocking save in 0.7 seconds\n")
+    unreadable = RunDir(write_run(runs / "unreadable-recipe"))  # its failures count; its costs cannot be compared
+    unreadable.resolved.write_text("[1, 2]")
+    unreadable.rank_log(1, 0).parent.mkdir(parents=True)
+    unreadable.rank_log(1, 0).write_text("I1202 x.py:1] [async] Finished blocking save in 100.0 seconds\n")
     (runs / "damaged").mkdir()
     (runs / "damaged" / "events.jsonl").write_bytes(b"\x00\xff{not json\n")
     (runs / "damaged" / "manifest.json").write_text("[1, 2]")
     m = measure(run, run.load_resolved())
     assert m.save_seconds == 0.6 and m.saves == 4  # the blocking part, of the runs alike in cost only
     assert m.step_seconds == 1.0  # steady state (the saves' 3 s steps are outliers)
-    assert m.failures == 3 and m.hours == pytest.approx(3 * 94 / 3600)
+    assert m.failures == 4 and m.hours == pytest.approx(4 * 94 / 3600)
     assert cadence.cost_key(longer.load_resolved()) == cadence.cost_key(run.load_resolved()) != \
         cadence.cost_key(other.load_resolved())
     event = choose(config(), m).as_event(m)

@@ -157,12 +157,17 @@ def measure(run: RunDir, resolved: dict | None) -> Measured:
     for other in _runs(run):
         try:
             events = other.events()
-            same = other is run or (key is not None and cost_key(other.load_resolved()) == key)
-        except (OSError, ValueError, TypeError, AttributeError, RkitError):  # a damaged run directory tells nothing
+        except (OSError, ValueError, RkitError):  # a damaged run directory tells nothing
             continue
         f, h = _failures_and_hours(events)
         failures, hours = failures + f, hours + h
-        if same and alike < MOST_ALIKE:
+        if alike >= MOST_ALIKE:
+            continue
+        try:
+            same = other is run or (key is not None and cost_key(other.load_resolved()) == key)
+        except (OSError, ValueError, TypeError, AttributeError, RkitError):  # its failures count, its costs not
+            same = False
+        if same:
             alike += 1
             whole, blocking = save_seconds([other.rank_log(n, 0) for n in other.attempt_numbers()])
             stalls.extend(blocking or whole)
