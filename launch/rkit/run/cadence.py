@@ -68,28 +68,30 @@ class Choice:
                 "failures": m.failures, "hours": round(m.hours, 3), "reason": self.why}
 
 
-def bounds(config: Config) -> tuple[int, int | None]:
+def bounded(config: Config, steps: int) -> tuple[int, str]:
+    """`steps` within checkpoint.min_period (default 1) and max_period, and what the bound did (for the reason)."""
     ckpt = config.checkpoint
     low = int(ckpt.min_period) if ckpt.min_period is not None else 1
-    return low, int(ckpt.max_period) if ckpt.max_period is not None else None
+    high = int(ckpt.max_period) if ckpt.max_period is not None else None
+    period = max(low, steps if high is None else min(high, steps))
+    clipped = "" if period == steps else f", bounded to {period} by checkpoint." + (
+        "min_period" if period == low else "max_period")
+    return period, clipped
 
 
 def choose(config: Config, m: Measured) -> Choice:
     """The period for the next attempt (pure)."""
     mtbf = (m.hours + PRIOR_MTBF_HOURS) / (m.failures + 1) * 3600.0
-    low, high = bounds(config)
     if (every := config.checkpoint.every_seconds) is not None:
         return _every(config, every, m, mtbf)
     seen = f"{m.failures} failure(s) in {m.hours:.2f} h of attempts, with a prior of 1 in {PRIOR_MTBF_HOURS:g} h"
     if m.save_seconds is None or m.step_seconds is None or m.step_seconds <= 0:
-        period = max(low, DEFAULT_PERIOD if high is None else min(high, DEFAULT_PERIOD))
+        period, _ = bounded(config, DEFAULT_PERIOD)
         return Choice(period, None, mtbf, f"no save or step measured yet: {period} steps until one is (MTBF "
                                           f"{mtbf / 3600:.1f} h: {seen})")
     interval = math.sqrt(2.0 * m.save_seconds * mtbf)
     steps = max(1, round(interval / m.step_seconds))
-    period = max(low, steps if high is None else min(high, steps))
-    clipped = "" if period == steps else f", bounded to {period} by checkpoint." + (
-        "min_period" if period == low else "max_period")
+    period, clipped = bounded(config, steps)
     return Choice(period, round(interval, 3), mtbf,
                   f"Young/Daly: sqrt(2 x save {m.save_seconds:.3f} s x MTBF {mtbf / 3600:.2f} h) = {interval:.0f} s "
                   f"= {steps} steps of {m.step_seconds:.4f} s{clipped} (MTBF from {seen}; save stall: median of "
@@ -98,15 +100,12 @@ def choose(config: Config, m: Measured) -> Choice:
 
 def _every(config: Config, every: float, m: Measured, mtbf: float) -> Choice:
     """The time form (period: 10m): that much training between saves, in steps of the measured step time."""
-    low, high = bounds(config)
     if m.step_seconds is None or m.step_seconds <= 0:
-        period = max(low, DEFAULT_PERIOD if high is None else min(high, DEFAULT_PERIOD))
+        period, _ = bounded(config, DEFAULT_PERIOD)
         return Choice(period, None, mtbf, f"no step time measured yet: {period} steps until one is (every "
                                           f"{config.checkpoint.period})")
     steps = max(1, round(every / m.step_seconds))
-    period = max(low, steps if high is None else min(high, steps))
-    clipped = "" if period == steps else f", bounded to {period} by checkpoint." + (
-        "min_period" if period == low else "max_period")
+    period, clipped = bounded(config, steps)
     return Choice(period, every, mtbf, f"every {config.checkpoint.period} = {every:.0f} s = {steps} steps "
                                        f"of {m.step_seconds:.4f} s{clipped}")
 
