@@ -672,3 +672,68 @@ def test_period_auto_chooses_the_period_from_the_measured_save_and_step(workspac
     print(f"period auto: save stall {second['save_seconds']} s (median of {second['saves']}), step "
           f"{second['step_seconds']} s, MTBF {second['mtbf_seconds'] / 3600:.1f} h -> Young/Daly "
           f"{second['interval_seconds']} s")
+
+
+# The node-local tier (checkpoint.local_dir): each of the two processes is one data-parallel replica holding the
+# whole state; the first saves every 10 steps to the run directory, the second every 2 to "its node's" storage.
+LOCAL_TIER = ["-o", "checkpoint.local_period=2", "-o", "trainer.overrides.ici_data_parallelism=-1",
+              "-o", "trainer.overrides.ici_fsdp_parallelism=1"]
+
+
+def local_tier_run(workspace: Path, name: str, *extra: str) -> tuple[RunDir, Path]:
+    local = workspace.parent / f"node-local {name}"
+    return run_tiny(workspace, name, *LOCAL_TIER, "-o", f"checkpoint.local_dir={local}", *extra), local
+
+
+def outcome_sha(run: RunDir) -> str:
+    return json.loads(run.outcome_file.read_text())["loss"]["sha256"]
+
+
+def test_a_crash_restores_from_the_node_local_tier_to_the_clean_runs_loss(workspace: Path, baseline: RunDir):
+    run, local = local_tier_run(workspace, "local-crash", "--inject", "kill:rank=1,step=19")
+    [restored] = events(run, "checkpoint.restored")
+    # the run directory's newest is step 10; the local tier had 12..18 (18's save may not have committed)
+    assert restored["attempt"] == 2 and restored["tier"] == "local" and 12 <= restored["step"] <= 18, restored
+    assert "lost_step" not in restored
+    # the supervisor counted the local steps the ranks recorded as committed
+    resumed = events(run, "attempt.started")[1]["resume_from_step"]
+    assert 10 < resumed <= restored["step"]
+    assert [(e["cause"], e["decision"]) for e in events(run, "attempt.ended")] == [("task_signal", "restart"),
+                                                                                 ("completed", "finish")]
+    # the same data-parallel mesh trains the same loss as the baseline's fsdp one: every step bit for bit
+    assert outcome_sha(run) == outcome_sha(baseline)
+    text = rkit("status", str(run.path), check=0).stdout
+    assert f"#2  resumed from step {restored['step']} (local tier): completed" in text
+    # served: each process removed its local checkpoints when it ended with the final step trained
+    assert "local (node storage) -" in text
+    assert not local.exists() or not list(local.rglob("*"))
+    print(f"local tier: crash at 19, restored step {restored['step']} from the local tier in "
+          f"{restored['seconds']} s")
+
+
+def test_a_nodes_lost_local_data_restores_the_run_directorys_step_and_says_so(workspace: Path, baseline: RunDir):
+    # rank 1's node is replaced at step 15: its local steps 12 and 14 are gone, and it held the only copy
+    run, _ = local_tier_run(workspace, "local-lost", "--inject", "lose_local:rank=1,step=15")
+    [restored] = events(run, "checkpoint.restored")
+    assert (restored["tier"], restored["step"], restored["lost_step"]) == ("persistent", 10, 14), restored
+    assert "restored step 10 from the persistent tier, 4 steps older" in restored["reason"]
+    assert outcome_sha(run) == outcome_sha(baseline)
+    assert "#2  resumed from step 10 (persistent tier; step 14 was lost): completed" in \
+        rkit("status", str(run.path), check=0).stdout
+    print(f"local tier lost: restored step 10 from the run directory in {restored['seconds']} s")
+
+
+def test_a_replica_left_holding_newer_local_steps_drops_them_and_saves_on(workspace: Path):
+    # 4 processes, 2 replicas of 2 (fsdp within each): rank 3's local data is lost, rank 2 (its replica's other
+    # half) still holds steps 12 and 14. Restored from step 10, rank 2 must drop them: holding them, it would skip
+    # saving step 12 while rank 3 saves it, and the save's collective would never complete.
+    run, _ = local_tier_run(workspace, "local-purge", "-o", "resources.processes_per_node=4",
+                            "-o", "trainer.overrides.ici_data_parallelism=2",
+                            "-o", "trainer.overrides.ici_fsdp_parallelism=2",
+                            "--inject", "lose_local:rank=3,step=15")
+    [restored] = events(run, "checkpoint.restored")
+    assert (restored["tier"], restored["step"]) == ("persistent", 10) and restored["lost_step"] >= 12
+    assert events(run, "run.finished") and final_loss(run) > 0
+    log = (run.attempt_dir(2) / "rank-2.log").read_text(errors="replace")
+    [said] = [line for line in log.splitlines() if "removed this process's local checkpoints of steps" in line]
+    assert "newer than the restored step 10" in said and "12" in said, said

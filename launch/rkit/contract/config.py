@@ -66,6 +66,8 @@ class Checkpoint:
     asynchronous: bool  # the recipe's `async`
     min_period: int | None = None  # the chosen period's bounds (no schema default: older config hashes unchanged)
     max_period: int | None = None
+    local_dir: str | None = None  # the node-local tier (runtime/trainers/localtier.py); None: none
+    local_period: int | None = None  # its period in steps; None: a tenth of the persistent period
 
     @property
     def auto(self) -> bool:

@@ -48,6 +48,7 @@ class EV:
     AGENT_ENV_DROPPED = "agent.env_dropped"  # M_<KEY> variables removed before MaxText read them (names only)
     EXPORTER_INSECURE = "exporter.insecure"  # a node's exporter serves plain HTTP beyond loopback (insecure: true)
     CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
+    CHECKPOINT_RESTORED = "checkpoint.restored"  # rank 0 with a local tier: the step, its tier, any newer one lost
     CHECKPOINT_PERIOD = "checkpoint.period"  # period auto or a time: an attempt's period, interval, why
     AGENT_DEVICES = "agent.devices"  # a rank's share of its node's GPUs: local rank, visibility variables
     DETERMINISM_CHECKED = "determinism.checked"  # a rank checked deterministic mode's switches after MaxText's set-up
@@ -60,10 +61,10 @@ EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("attempt", "rank", "resume_from_step", "committed_step", "last_step", "exit_code",
                      "restart_count", "processes", "index", "requested_at_step", "full_nodes", "node_count",
                      "devices", "global_batch", "gradient_accumulation_steps", "checkpoint_period", "period",
-                     "saves", "failures"), int),
+                     "saves", "failures", "lost_step"), int),
     "step": (int, str),  # a training step, or a standby step's name (`standby` notes: "standby-2")
     **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
-                     "name", "what", "received", "config_hash"), str),
+                     "name", "what", "received", "config_hash", "tier"), str),
     **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks"), list),
     **dict.fromkeys(("changes", "tally", "mesh"), dict),
     **dict.fromkeys(("seconds", "seconds_since_start", "restore_started", "restore_seconds", "import_seconds",

@@ -156,6 +156,8 @@ class RunDir:
     maxtext_run_name = "checkpoints"
     checkpoints = property(lambda self: self.path / "checkpoints")
     orbax_dir = property(lambda self: self.path / "checkpoints" / "checkpoints")
+    # each rank's record of its node-local checkpoints (checkpoint.local_dir: runtime/trainers/localtier.py)
+    local_tier_dir = property(lambda self: self.path / "checkpoints" / "local-tier")
     tensorboard_dir = property(lambda self: self.path / "tensorboard")  # MaxText's summaries (trainers/maxtext)
 
     def metrics_file(self, rank: int) -> Path:

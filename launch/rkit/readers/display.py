@@ -48,6 +48,11 @@ def live_progress(*, enabled: bool, total: int) -> Iterator[Callable[[RunProgres
         yield update
 
 
+def steps_text(steps: Any) -> str:
+    """Checkpoint steps as a list for the text views: 10, 20 (none: -)."""
+    return ", ".join(str(s) for s in steps) if isinstance(steps, list) and steps else "-"
+
+
 def num(value: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 

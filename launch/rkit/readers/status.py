@@ -14,11 +14,11 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, last_jsonl
 from rkit.readers import goodput, goodput_events
 from rkit.readers.digest import RunDigest
-from rkit.readers.display import TOP, more, num, progress, render_goodput, render_watch, top
+from rkit.readers.display import TOP, more, num, progress, render_goodput, render_watch, steps_text, top
 from rkit.run.policy import FINAL_EVENTS, RunState
 from rkit.run.stragglers import straggler_events
 from rkit.runtime.telemetry import metrics
-from rkit.runtime.trainers import maxtext
+from rkit.runtime.trainers import localtier, maxtext
 
 SLURM_ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED",
                 "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT")
@@ -70,6 +70,8 @@ class StatusFold(goodput_events.Fold):
             elif kind == EV.ATTEMPT_ENDED:
                 row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
                            committed_step=e.get("committed_step"))
+            elif kind == EV.CHECKPOINT_RESTORED:  # rank 0, with a local tier: the step and tier it came from
+                row.update(restored_step=e.get("step"), restored_tier=e.get("tier"), lost_step=e.get("lost_step"))
             elif kind == EV.ATTEMPT_FAILED and "failed" not in row:
                 row.update(failed=e["t"], detected_by=e.get("detected_by"), detect_seconds=e.get("detect_seconds"))
         if kind == EV.ATTEMPT_FIRST_STEP:
@@ -252,6 +254,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         if tps else None,
         "checkpoint_auto": dict(fold.period_choice, setting=config.checkpoint.period)
         if config.checkpoint.auto and fold.period_choice else None,
+        "checkpoint_tiers": localtier.tiers(run) if config.checkpoint.local_dir else None,
         "elastic": {"nodes": config.resources.nodes, "min_nodes": config.resources.fewest_nodes}
         if config.resources.can_shrink else None,
         "step_time_seconds": step_time,
@@ -293,6 +296,11 @@ def render_status(s: dict[str, Any]) -> str:
     if (auto := s.get("checkpoint_auto")) and isinstance(auto, dict):
         lines.append(f"checkpoint every {auto.get('period')} steps from attempt {auto.get('attempt')} (period: "
                      f"{auto.get('setting', 'auto')}; {auto.get('reason')})")
+    if (tiers := s.get("checkpoint_tiers")) and isinstance(tiers, dict):
+        lines.append(f"tiers      persistent (run directory) {steps_text(tiers.get('persistent'))}; local (node "
+                     f"storage) {steps_text(tiers.get('local'))}" + "".join(
+                         f"; rank {r.get('rank')} on {r.get('node')}: {steps_text(r.get('steps'))}"
+                         for r in (tiers.get("ranks") or [])[:TOP] if isinstance(r, dict)))
     if s.get("outcome") and s["outcome"]["loss_sha256"]:
         o = s["outcome"]
         lines.append(f"outcome    loss {o['loss_sha256']} over steps {o['first_step']}-{o['last_step']} "
@@ -320,6 +328,9 @@ def render_status(s: dict[str, Any]) -> str:
     for a in s["attempts"]:
         resume = a.get("resume_from_step")
         start = "from scratch" if resume is None else f"resumed from step {resume}"
+        if a.get("restored_tier"):  # what rank 0 restored (a local tier's lost step is said)
+            start = f"resumed from step {a.get('restored_step')} ({a['restored_tier']} tier" + (
+                f"; step {a['lost_step']} was lost" if a.get("lost_step") else "") + ")"
         end = a.get("cause", "running")
         found = "" if not a.get("detected_by") else f"; found by {a['detected_by']}" + (
             f" {a['detect_seconds']:.1f} s after the node's last heartbeat" if a.get("detect_seconds") else "")

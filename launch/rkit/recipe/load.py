@@ -172,6 +172,7 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                         "MaxText outside the config hash and printed into the rank logs; write "
                                         "the value itself."))
     problems.extend(_elastic_problems(data))
+    problems.extend(_local_tier_problems(data))
     ckpt = data.get("checkpoint")
     period = ckpt.get("period") if isinstance(ckpt, dict) else None
     if isinstance(period, str) and re.fullmatch(r"0+(\.0+)?[smh]", period):
@@ -252,6 +253,66 @@ def _elastic_problems(data: dict) -> list[Problem]:
     except RkitError:
         return []  # the schema's problems say why
     return elastic.problems(config)
+
+
+def _local_tier_problems(data: dict) -> list[Problem]:
+    """checkpoint.local_dir: a path and a mesh the node-local tier works with (runtime/trainers/localtier.py)."""
+    ckpt = data.get("checkpoint")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("local_dir"), str):
+        if isinstance(ckpt, dict) and ckpt.get("local_period") is not None and ckpt.get("local_dir") is None:
+            return [Problem("checkpoint.local_period", "is set without checkpoint.local_dir; add local_dir (each "
+                                                       "node's own storage) or remove local_period.")]
+        return []
+    if bad := unsafe_path_chars(ckpt["local_dir"]):
+        return [Problem("checkpoint.local_dir", f"{ckpt['local_dir']!r} holds {bad}, {PATH_CHARS_WHY}; pick a "
+                                                "directory without them.")]
+    try:
+        config = Config.from_resolved(data)
+    except RkitError:
+        return []  # the schema's problems say why
+    return _local_tier_config_problems(config)
+
+
+def _local_tier_config_problems(config: Config) -> list[Problem]:
+    """Why this recipe cannot have a node-local tier (runtime/trainers/localtier.py), before anything starts."""
+    ckpt, res = config.checkpoint, config.resources
+    if not ckpt.local_dir:
+        return []
+    found = []
+    where = "trainer.overrides."
+    text = str(ckpt.local_dir)
+    if not (text.startswith("/") or text.startswith("$")):
+        found.append(Problem("checkpoint.local_dir", f"{text!r} is not absolute; give a path on each node's own "
+                                                     "storage, e.g. /local/nvme or $SLURM_TMPDIR."))
+    if config.processes < 2:
+        found.append(Problem("checkpoint.local_dir", "a local tier needs 2 or more processes: Orbax's emergency "
+                                                     "manager keeps local checkpoints on the data-parallel "
+                                                     "replicas after the first; raise resources.processes_per_node "
+                                                     "or nodes, or remove checkpoint.local_dir."))
+    data = elastic.setting(config, "ici_data_parallelism")
+    if data != -1 and not (isinstance(data, int) and not isinstance(data, bool) and data >= 2):
+        found.append(Problem(f"{where}ici_data_parallelism", f"{data!r}: a local tier needs data-parallel replicas "
+                                                             "that each hold the whole state (MaxText's data axis); "
+                                                             "set ici_data_parallelism to -1 and "
+                                                             "ici_fsdp_parallelism to 1 (or a size that divides "
+                                                             "each process's devices)."))
+    elif data == -1:
+        for key in sorted({*elastic.MAXTEXT_DEFAULTS, *(config.trainer.overrides or {})}):
+            if key.startswith("ici_") and key.endswith("_parallelism") and key != "ici_data_parallelism" \
+                    and elastic.setting(config, key) == -1:
+                found.append(Problem(f"{where}{key}", "-1 (auto) beside ici_data_parallelism -1: MaxText allows "
+                                                      "one auto axis; give it a fixed size (1 for fsdp keeps each "
+                                                      "replica's state whole on its process)."))
+    dataset = elastic.setting(config, "dataset_type")
+    if dataset == "grain":
+        found.append(Problem(f"{where}dataset_type", "'grain': MaxText's emergency checkpointing saves no data "
+                                                     "iterator, so a restore would start grain over; use another "
+                                                     "dataset_type, or remove checkpoint.local_dir."))
+    if res.can_shrink:
+        found.append(Problem("checkpoint.local_dir", "elastic shrink (resources.min_nodes) changes the processes and "
+                                                     "the replicas the local tier is laid out by; remove one of "
+                                                     "them."))
+    return found
 
 
 def _paths_of_strings(value: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str, str]]:

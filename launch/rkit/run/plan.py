@@ -32,7 +32,7 @@ from rkit.run.attempt import attempt_request, default_jax_cache_dir
 from rkit.run.lock import RunLock
 from rkit.runtime import determinism, manifest
 from rkit.runtime.inject import Injection
-from rkit.runtime.trainers import maxtext
+from rkit.runtime.trainers import localtier, maxtext
 
 RESOLVE = object()  # plan(image=RESOLVE): resolve the recipe's image (the default)
 
@@ -125,7 +125,8 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
     container = None
     if image is not None:
         container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
-                              binds=(str(run.path.resolve()), common["jax_cache_dir"]), python=image.python,
+                              binds=(str(run.path.resolve()), common["jax_cache_dir"],
+                                     *localtier.binds(recipe.config)), python=image.python,
                               agent_path=bound_agent_path(run, image))
     res = recipe.config.resources
     resilience = recipe.config.resilience

@@ -32,6 +32,7 @@ from rkit.run.policy import Progress, RunState
 from rkit.run.supervisor import Supervisor
 from rkit.runtime import determinism, manifest
 from rkit.runtime.inject import Injection
+from rkit.runtime.trainers import localtier
 
 
 class ChangedSincePlanned(RkitError):
@@ -196,7 +197,8 @@ def execute_supervised(launch: LaunchPlan) -> RunState:
     backend = slurm.SlurmStepBackend(
         nodes_per_step=res.nodes, tasks_per_node=res.processes_per_node,
         container_launch=config.slurm.container_launch, sif=image.path if image else None,
-        binds=(str(run.path.resolve()), jax_cache), gpu_flags=tuple(image.gpu_flags) if image else (),
+        binds=(str(run.path.resolve()), jax_cache, *localtier.binds(config)),
+        gpu_flags=tuple(image.gpu_flags) if image else (),
         python=sys.executable, exclude=tuple(excluded), image_python=image.python if image else "/opt/venv/bin/python",
         agent_path=install_bound_agent(run, image),
         warm_standby=config.resilience.standby_on(res.processes_per_node, slurm.cpus_on_node()),

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rkit.contract.events import EV
 from rkit.contract.heartbeat import JAX_HEARTBEAT_ENV
@@ -29,6 +30,9 @@ from rkit.runtime.inject import FIRED_EVENT, Injection
 from rkit.runtime.telemetry import metrics
 from rkit.runtime.telemetry.metrics import MetricsTail
 from rkit.runtime.telemetry.node import node_name, start_node_services
+
+if TYPE_CHECKING:
+    from rkit.runtime.trainers.localtier import LocalTier
 
 
 @dataclass(frozen=True)
@@ -105,10 +109,12 @@ def write_env_manifest(ctx: AgentContext) -> Path:
     return path
 
 
-def fire(ctx: AgentContext, inj: Injection, step: int) -> None:
+def fire(ctx: AgentContext, inj: Injection, step: int, tier: LocalTier | None = None) -> None:
     try:
         ctx.run.emit(FIRED_EVENT, index=inj.index, kind=inj.kind, rank=ctx.rank, step=step,
                      attempt=ctx.attempt, spec=inj.spec)
+        if inj.kind == "lose_local" and tier is not None:  # a replaced node: its local checkpoints are gone
+            tier.lose()
     finally:
         _act(inj, step)
 
@@ -116,7 +122,7 @@ def fire(ctx: AgentContext, inj: Injection, step: int) -> None:
 def _act(inj: Injection, step: int) -> None:
     sys.stderr.write(f"rkit: injected fault {inj.spec!r} fires at step {step}\n")
     sys.stderr.flush()
-    if inj.kind == "kill":
+    if inj.kind in ("kill", "lose_local"):
         os.kill(os.getpid(), signal.SIGKILL)
     if inj.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; the process lives on, silent
@@ -128,12 +134,15 @@ class Injector:
     """This rank's injections, fired from the training loop's own thread at exactly their step (see
     `trainers.maxtext.hook_the_train_loop`), once per attempt; the metrics lines before it are drained first."""
 
-    def __init__(self, ctx: AgentContext, pump: MetricsPump | None = None):
+    def __init__(self, ctx: AgentContext, pump: MetricsPump | None = None, tier: LocalTier | None = None):
         self.ctx = ctx
         self.pump = pump
+        self.tier = tier
         self.targets = sorted(ctx.injections, key=lambda i: i.step)
 
     def at_step(self, step: int) -> None:
+        if self.tier is not None:
+            self.tier.observe(step)  # this rank's committed local checkpoints, into its record
         due = [i for i in self.targets if step >= i.step]
         if not due:
             return
@@ -141,7 +150,7 @@ class Injector:
             self.pump.drain()
         for inj in due:
             self.targets.remove(inj)  # once per attempt (a hung rank that is continued must not re-fire)
-            fire(self.ctx, inj, step)
+            fire(self.ctx, inj, step, self.tier)
 
 
 def arm_stack_dumps(ctx: AgentContext) -> Path:
@@ -341,7 +350,8 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
     ctx.run.emit(EV.AGENT_READY, attempt=ctx.attempt, rank=ctx.rank, warm=warm,
                  import_seconds=round(time.monotonic() - began, 3), distributed_seconds=round(distributed, 3))
 
-    hook_the_train_loop(Injector(ctx, pump).at_step)
+    tier = local_tier(ctx)
+    hook_the_train_loop(Injector(ctx, pump, tier).at_step)
     route_tensorboard(ctx.run)
     def after_set_up(config: object) -> None:
         if ctx.rank == 0 and config is not None:  # the attempt's mesh and batch, once per attempt
@@ -355,11 +365,28 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
     after_initialize(after_set_up)
 
     argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
-            *rank_overrides(ctx.run, ctx.attempt, ctx.rank)]
+            *rank_overrides(ctx.run, ctx.attempt, ctx.rank, None if tier is None else tier.root)]
     try:
         app.run(train.main, argv=argv)
-    finally:  # app.run ends with sys.exit: the last steps' lines are read before the process goes
+    except SystemExit as end:  # app.run ends with sys.exit
+        if tier is not None and end.code in (0, None):
+            tier.finish()
+        raise
+    finally:  # the last steps' lines are read before the process goes
         pump.drain()
+
+
+def local_tier(ctx: AgentContext) -> LocalTier | None:
+    """checkpoint.local_dir: this rank's side of the node-local tier, hooked into MaxText (localtier.py)."""
+    config = ctx.run.config()
+    if not config.checkpoint.local_dir:
+        return None
+    from rkit.runtime.trainers import localtier
+
+    tier = localtier.LocalTier(ctx.run, ctx.attempt, ctx.rank, config.trainer.final_step,
+                               localtier.run_root(config.checkpoint.local_dir, ctx.run), ctx.run.emit)
+    localtier.hook(tier)
+    return tier
 
 
 if __name__ == "__main__":

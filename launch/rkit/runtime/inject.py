@@ -12,6 +12,9 @@ preempt:step=S              Slurm's time-limit/preemption signal (USR1) at step 
 lose_node:rank=R,step=S     rank R's node is lost for good at step S (its ranks SIGKILLed, the node reported
                             dead): the local launcher's rehearsal of a node crash with no spare, for a recipe
                             with resources.min_nodes below nodes
+lose_local:rank=R,step=S    rank R's node-local checkpoints are lost at step S (its pending local saves finished,
+                            then its local directory deleted and the rank SIGKILLed): the rehearsal of a node
+                            replaced with empty local storage, for a recipe with checkpoint.local_dir
 Add `repeat=true` to fire in every attempt (a deterministic failure); by default an injection fires once.
 """
 
@@ -24,9 +27,9 @@ from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 
 KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"rank", "step"}, "sigterm": {"step"},
-         "preempt": {"step"}, "lose_node": {"rank", "step"}}
+         "preempt": {"step"}, "lose_node": {"rank", "step"}, "lose_local": {"rank", "step"}}
 REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"},
-            "preempt": {"step"}, "lose_node": {"rank", "step"}}
+            "preempt": {"step"}, "lose_node": {"rank", "step"}, "lose_local": {"rank", "step"}}
 FIRED_EVENT = EV.INJECT_FIRED
 
 
@@ -42,9 +45,9 @@ class Injection:
 
     @property
     def in_trainer(self) -> bool:
-        """kill, exit and hang act inside the rank's own process; sigterm, preempt and lose_node are the
-        supervisor's."""
-        return self.kind in ("kill", "exit", "hang")
+        """kill, exit, hang and lose_local act inside the rank's own process; sigterm, preempt and lose_node are
+        the supervisor's."""
+        return self.kind in ("kill", "exit", "hang", "lose_local")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +107,9 @@ def parse_injections(specs: list[str] | tuple[str, ...], processes: int,
                             "resources.min_nodes below resources.nodes (e.g. -o resources.nodes=2 -o "
                             "resources.processes_per_node=1 -o resources.min_nodes=1); on Slurm, crash a node "
                             "for real.")
+        if config is not None and inj.kind == "lose_local" and not config.checkpoint.local_dir:
+            raise RkitError(f"--inject {inj.spec!r}: lose_local rehearses the loss of a node's local "
+                            "checkpoints; this recipe has no local tier (set checkpoint.local_dir).")
         if inj.rank is not None and inj.rank >= processes:
             raise RkitError(f"--inject {inj.spec!r}: rank {inj.rank} does not exist; "
                             f"this run has ranks 0..{processes - 1}.")

@@ -15,6 +15,14 @@ from typing import TYPE_CHECKING, Any
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir
 from rkit.contract.stamp import REDACTED, is_secret_name, redact_value
+from rkit.runtime.trainers import localtier
+from rkit.runtime.trainers.orbaxdirs import (  # noqa: F401 - readers reach them through this module
+    TMP_MARKER,
+    committed_in,
+    local_step_problem,
+    step_dirs_in,
+    step_problem,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,7 +30,6 @@ if TYPE_CHECKING:
     from rkit.contract.config import Config
 
 MODULE = "maxtext.trainers.pre_train.train"
-TMP_MARKER = ".orbax-checkpoint-tmp"
 
 # MaxText settings that rkit owns (maxtext_overrides and rank_overrides set them); a recipe sets them through
 # its own sections, and the recipe loader refuses them in trainer.overrides.
@@ -38,6 +45,9 @@ OWNED_KEYS = {
     "enable_autocheckpoint": "nothing (rkit turns it on: a SIGTERM saves at the preemption sync point)",
     "jax_cache_dir": "the RKIT_JAX_CACHE_DIR environment variable",
     "skip_jax_distributed_system": "resources.processes_per_node (rkit sets up jax.distributed)",
+    "enable_emergency_checkpoint": "checkpoint.local_dir (rkit builds the emergency manager so that it works)",
+    "local_checkpoint_directory": "checkpoint.local_dir",
+    "local_checkpoint_period": "checkpoint.local_period",
 }
 
 
@@ -73,82 +83,41 @@ def maxtext_overrides(config: Config, run: RunDir, jax_cache_dir: str, gradient_
     }
     if ckpt.keep:
         owned["max_num_checkpoints_to_keep"] = ckpt.keep
+    if ckpt.local_dir:  # the node-local tier (localtier.py); each rank adds its own directory (rank_overrides)
+        owned["enable_emergency_checkpoint"] = True
+        owned["local_checkpoint_period"] = localtier.period(config, int(owned["checkpoint_period"]))
     if config.processes == 1:
         owned["skip_jax_distributed_system"] = True
     args.extend(f"{k}={_render(v)}" for k, v in owned.items())
     return args
 
 
-def rank_overrides(run: RunDir, attempt: int, rank: int) -> list[str]:
+def rank_overrides(run: RunDir, attempt: int, rank: int, local_root: Path | None = None) -> list[str]:
     """The per-process part: MaxText's metrics file, one per rank and attempt (two ranks writing one file lose
-    lines; MaxText truncates it when it starts from step 0). The agent turns it into metrics/<rank>.jsonl."""
-    return [f"metrics_file={run.maxtext_metrics_file(attempt, rank).resolve()}"]
+    lines; MaxText truncates it when it starts from step 0). The agent turns it into metrics/<rank>.jsonl. With a
+    local tier, the run's directory on this node (checkpoint.local_dir expanded here: localtier.run_root)."""
+    args = [f"metrics_file={run.maxtext_metrics_file(attempt, rank).resolve()}"]
+    if local_root is not None:
+        args.append(f"local_checkpoint_directory={local_root}")
+    return args
 
 
 def committed_steps(run: RunDir) -> list[int]:
-    """Steps with a committed Orbax checkpoint; a `*.orbax-checkpoint-tmp*` directory never counts."""
-    steps = []
-    try:
-        entries = list(os.scandir(run.orbax_dir))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        if not entry.is_dir() or TMP_MARKER in entry.name or not (entry.name.isascii() and entry.name.isdigit()):
-            continue
-        path = Path(entry.path)
-        if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists():
-            steps.append(int(entry.name))
-    return sorted(steps)
+    """Steps with a committed checkpoint in the run directory (the persistent tier)."""
+    return committed_in(run.orbax_dir)
 
 
 def latest_committed_step(run: RunDir) -> int | None:
+    """The newest committed step in any tier: the run directory's, and the node-local tier's as its ranks
+    recorded it (localtier.py: a step one data-parallel replica holds whole)."""
     steps = committed_steps(run)
-    return steps[-1] if steps else None
+    local = localtier.newest_restorable(run)
+    return max([*steps[-1:], *([] if local is None else [local])], default=None)
 
 
 def step_dirs(run: RunDir) -> dict[int, Path]:
-    """Every step directory MaxText would see (committed or not); Orbax's temporary ones excluded."""
-    try:
-        entries = list(os.scandir(run.orbax_dir))
-    except FileNotFoundError:
-        return {}
-    return {int(e.name): Path(e.path) for e in entries
-            if e.is_dir() and TMP_MARKER not in e.name and e.name.isascii() and e.name.isdigit()}
-
-
-def step_problem(path: Path) -> str | None:
-    """Why MaxText could not restore this step directory, as far as Orbax's own files show it; None when they
-    are all there. Orbax writes: _CHECKPOINT_METADATA (the item handlers, the commit time) and, per item, its
-    _METADATA, and for OCDBT the root manifest.ocdbt and each process's ocdbt.process_<i>/manifest.ocdbt with
-    its data files under d/. (A data file lost among several is only found by the restore itself: see
-    ranklogs.RESTORE_FAILED.)"""
-    meta = path / "_CHECKPOINT_METADATA"
-    if not meta.is_file() and not (path / "commit_success.txt").is_file():
-        return "no commit marker (_CHECKPOINT_METADATA or commit_success.txt): the save never finished"
-    try:
-        handlers = json.loads(meta.read_text(encoding="utf-8")).get("item_handlers") if meta.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return "_CHECKPOINT_METADATA is unreadable"
-    for item in sorted(handlers or {}):
-        item_dir = path / item
-        if not item_dir.is_dir():
-            return f"item {item!r} is missing"
-        if not (item_dir / "_METADATA").is_file():
-            return f"{item}/_METADATA is missing"
-        try:  # Orbax's tree metadata, JSON: an emptied or cut one fails the restore with a bare exit 1
-            tree = json.loads((item_dir / "_METADATA").read_bytes())
-        except (OSError, ValueError):
-            tree = None
-        if not isinstance(tree, dict):
-            return f"{item}/_METADATA is not readable JSON (emptied or cut)"
-        if (item_dir / "manifest.ocdbt").is_file():
-            for proc in sorted(item_dir.glob("ocdbt.process_*")):
-                if not (proc / "manifest.ocdbt").is_file():
-                    return f"{item}/{proc.name}/manifest.ocdbt is missing"
-                data = proc / "d"
-                if not data.is_dir() or not any(data.iterdir()):
-                    return f"{item}/{proc.name}/d holds no data files"
-    return None
+    """Every step directory MaxText would see in the run directory (committed or not)."""
+    return step_dirs_in(run.orbax_dir)
 
 
 def quarantine(run: RunDir, step: int) -> Path | None:

@@ -1,0 +1,160 @@
+"""The node-local checkpoint tier's pure parts (runtime/trainers/localtier.py): the recipes refused before anything
+starts (with the key and the fix), the path expanded on the node, MaxText's settings, the ranks' records and
+what counts as committed, the integrity check of a local step, its rehearsal injection and `rkit status`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rkit.contract.errors import RecipeError, RkitError
+from rkit.contract.rundir import RunDir
+from rkit.readers import status as run_status
+from rkit.recipe.load import load_recipe
+from rkit.runtime.inject import parse_injections
+from rkit.runtime.trainers import localtier, maxtext
+
+from ..conftest import TINY
+from .synthetic_run import write_run
+
+GOOD = ("checkpoint.local_dir=$SLURM_TMPDIR", "trainer.overrides.ici_data_parallelism=-1",
+        "trainer.overrides.ici_fsdp_parallelism=1")
+
+
+def config(*overrides: str):
+    return load_recipe(TINY, [*GOOD, *overrides]).config
+
+
+def problems_of(*overrides: str, good: tuple[str, ...] = GOOD) -> dict[str, str]:
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY, [*good, *overrides])
+    assert err.value.exit_code == 2
+    return {p.path: p.message for p in err.value.problems}
+
+
+def test_a_recipe_with_a_local_tier_and_data_parallel_replicas_passes():
+    c = config("checkpoint.local_period=2")
+    assert c.checkpoint.local_dir == "$SLURM_TMPDIR" and c.checkpoint.local_period == 2
+    assert localtier.period(c, 10) == 2
+    assert localtier.period(config(), 100) == 10 and localtier.period(config(), 5) == 1  # a tenth, at least 1
+    # no schema default: a recipe without the keys keeps its config hash
+    assert "local_dir" not in load_recipe(TINY).resolved["checkpoint"]
+
+
+@pytest.mark.parametrize("overrides,good,key,says", [
+    (("resources.processes_per_node=1",), GOOD, "checkpoint.local_dir", "2 or more processes"),
+    ((), GOOD[:1], "trainer.overrides.ici_data_parallelism", "set ici_data_parallelism to -1"),
+    (("trainer.overrides.ici_data_parallelism=-1",), GOOD[:1], "trainer.overrides.ici_fsdp_parallelism",
+     "MaxText allows one auto axis"),
+    (("trainer.overrides.dataset_type=grain",), GOOD, "trainer.overrides.dataset_type", "saves no data iterator"),
+    (("checkpoint.local_dir=local/nvme",), GOOD, "checkpoint.local_dir", "not absolute"),
+    (("checkpoint.local_dir=/local:nvme",), GOOD, "checkpoint.local_dir", "':'"),
+    (("checkpoint.local_period=0",), GOOD, "checkpoint.local_period", ""),
+    (("checkpoint.local_period=5",), (), "checkpoint.local_period", "without checkpoint.local_dir"),
+    (("resources.nodes=2", "resources.processes_per_node=1", "resources.min_nodes=1"), GOOD,
+     "checkpoint.local_dir", "elastic shrink"),
+])
+def test_a_recipe_the_local_tier_cannot_work_with_is_refused_with_the_key_and_the_fix(overrides, good, key, says):
+    found = problems_of(*overrides, good=good)
+    assert key in found and says in found[key], found
+
+
+def test_the_path_is_expanded_on_the_node_and_an_unset_variable_is_an_error(tmp_path: Path):
+    env = {"SLURM_TMPDIR": "/tmp/slurm-42", "LOCAL": "/nvme"}
+    assert localtier.expand("$SLURM_TMPDIR", env) == Path("/tmp/slurm-42")
+    assert localtier.expand("${LOCAL}/ckpt", env) == Path("/nvme/ckpt")
+    assert localtier.run_root("/nvme", RunDir(tmp_path / "r1"), env) == Path("/nvme/rkit-r1")
+    with pytest.raises(RkitError, match=r"\$SLURM_TMPDIR is not set on this node"):
+        localtier.expand("$SLURM_TMPDIR", {})
+    with pytest.raises(RkitError, match="not an absolute path"):
+        localtier.expand("$REL/x", {"REL": "relative"})
+    assert localtier.binds(config()) == ()  # expanded only on the node: under /tmp Apptainer mounts it itself
+    assert localtier.binds(config("checkpoint.local_dir=/local/nvme")) == ("/local/nvme",)
+
+
+def test_maxtext_gets_the_emergency_manager_and_each_rank_its_own_directory(tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    args = maxtext.maxtext_overrides(config("checkpoint.local_period=3"), run, "/cache", checkpoint_period=10)
+    assert "enable_emergency_checkpoint=true" in args and "local_checkpoint_period=3" in args
+    assert "checkpoint_period=10" in args and not any(a.startswith("local_checkpoint_directory") for a in args)
+    assert maxtext.rank_overrides(run, 1, 0, Path("/nvme/rkit-run"))[-1] == "local_checkpoint_directory=/nvme/rkit-run"
+    plain = maxtext.maxtext_overrides(load_recipe(TINY).config, run, "/cache", checkpoint_period=10)
+    assert not any("emergency" in a or "local_checkpoint" in a for a in plain)
+    assert "local_checkpoint_directory" in maxtext.OWNED_KEYS  # a recipe's overrides cannot set it
+
+
+def record(run: RunDir, rank: int, replica: int, size: int, steps: list[int]) -> None:
+    run.local_tier_dir.mkdir(parents=True, exist_ok=True)
+    localtier.record_path(run, rank).write_text(json.dumps({"rank": rank, "node": f"n{rank}", "replica": replica,
+                                                            "replica_size": size, "steps": steps}))
+
+
+def test_a_local_step_counts_as_committed_when_one_replica_holds_it_whole(tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    assert localtier.newest_restorable(run) is None and maxtext.latest_committed_step(run) is None
+    # replica 0 (ranks 0, 1) writes persistent; replicas 1 (ranks 2, 3) and 2 (ranks 4, 5) local
+    record(run, 2, 1, 2, [12, 14])
+    record(run, 3, 1, 2, [12])  # rank 3's step 14 never committed: replica 1 holds 12 whole
+    record(run, 4, 2, 2, [16])  # replica 2 lacks rank 5's record: nothing whole
+    assert localtier.restorable(localtier.records(run)) == [12]
+    (run.local_tier_dir / "rank-9.json").write_text("{not json")  # damaged: skipped
+    (run.local_tier_dir / "rank-8.json").write_text(json.dumps({"steps": ["x"]}))
+    assert maxtext.latest_committed_step(run) == 12
+    (run.orbax_dir / "20").mkdir(parents=True)
+    (run.orbax_dir / "20" / "_CHECKPOINT_METADATA").write_text("{}")
+    assert maxtext.latest_committed_step(run) == 20  # the newest of both tiers
+    assert localtier.tiers(run)["persistent"] == [20] and localtier.tiers(run)["local"] == [12]
+
+
+def local_step(path: Path) -> Path:
+    """A local step as Orbax's emergency manager writes it (its files, not their contents)."""
+    (path / "process_metadata").mkdir(parents=True)
+    (path / "state" / "d").mkdir(parents=True)
+    (path / "state" / "d" / "abc").write_bytes(b"x")
+    (path / "state" / "manifest.ocdbt").write_bytes(b"x")
+    (path / "state" / "_METADATA").write_text("{}")
+    handlers = {"process_metadata": "ProcessMetadataCheckpointHandler", "state": "PyTreeCheckpointHandler"}
+    (path / "_CHECKPOINT_METADATA").write_text(json.dumps({"item_handlers": handlers}))
+    return path
+
+
+@pytest.mark.parametrize("damage,says", [
+    (None, None),
+    (lambda p: (p / "_CHECKPOINT_METADATA").unlink(), "no commit marker"),
+    (lambda p: (p / "state" / "_METADATA").write_text(""), "not readable JSON"),
+    (lambda p: (p / "state" / "d" / "abc").unlink(), "state/d holds no data files"),
+    (lambda p: __import__("shutil").rmtree(p / "state"), "item 'state' is missing"),
+])
+def test_a_damaged_local_step_is_named(tmp_path: Path, damage, says):
+    step = local_step(tmp_path / "12")
+    if damage is not None:
+        damage(step)
+    problem = maxtext.local_step_problem(step)
+    assert problem is None if says is None else says in problem
+    if says is None:
+        assert maxtext.committed_in(tmp_path) == [12]
+
+
+def test_losing_a_nodes_local_data_is_rehearsed_only_with_a_local_tier():
+    c = config()
+    [lose] = parse_injections(["lose_local:rank=1,step=15"], c.processes, 30, c)
+    assert lose.kind == "lose_local" and lose.in_trainer and lose.rank == 1
+    with pytest.raises(RkitError, match="no local tier"):
+        parse_injections(["lose_local:rank=1,step=15"], 2, 30, load_recipe(TINY).config)
+
+
+def test_status_says_each_tier_and_a_restore_older_than_the_local_tier(tmp_path: Path):
+    run = RunDir(write_run(tmp_path / "run"))
+    resolved = json.loads(run.resolved.read_text())
+    resolved["checkpoint"]["local_dir"] = "/nvme"
+    run.resolved.write_text(json.dumps(resolved))
+    record(run, 1, 1, 1, [18])
+    run.emit("checkpoint.restored", attempt=2, rank=0, step=10, tier="persistent", lost_step=18,
+             reason="the local tier's step 18 is gone")
+    s = run_status.status(run)
+    assert s["checkpoint_tiers"]["local"] == [18]
+    text = run_status.render_status(s)
+    assert "tiers      persistent (run directory) " in text and "local (node storage) 18; rank 1 on n1: 18" in text
+    assert "#2  resumed from step 10 (persistent tier; step 18 was lost)" in text
