@@ -680,9 +680,10 @@ LOCAL_TIER = ["-o", "checkpoint.local_period=2", "-o", "trainer.overrides.ici_da
               "-o", "trainer.overrides.ici_fsdp_parallelism=1"]
 
 
-def local_tier_run(workspace: Path, name: str, *extra: str) -> tuple[RunDir, Path]:
+def local_tier_run(workspace: Path, name: str, *extra: str, expect: int = 0) -> tuple[RunDir, Path]:
     local = workspace.parent / f"node-local {name}"
-    return run_tiny(workspace, name, *LOCAL_TIER, "-o", f"checkpoint.local_dir={local}", *extra), local
+    return run_tiny(workspace, name, *LOCAL_TIER, "-o", f"checkpoint.local_dir={local}", *extra,
+                    expect=expect), local
 
 
 def outcome_sha(run: RunDir) -> str:
@@ -737,3 +738,32 @@ def test_a_replica_left_holding_newer_local_steps_drops_them_and_saves_on(worksp
     log = (run.attempt_dir(2) / "rank-2.log").read_text(errors="replace")
     [said] = [line for line in log.splitlines() if "removed this process's local checkpoints of steps" in line]
     assert "newer than the restored step 10" in said and "12" in said, said
+
+
+def test_a_damaged_local_step_is_quarantined_and_the_previous_one_restored(workspace: Path, baseline: RunDir):
+    # Stopped after the crash (no restart allowed), rank 1's newest local step has its data files overwritten:
+    # Orbax's files look whole, so only the restore finds it. The resumed run's attempt fails as a corrupt
+    # checkpoint within seconds (the rank exits at once instead of waiting in jax.distributed's shutdown), the
+    # step is moved aside, and the next attempt restores the previous local step.
+    stop = ["-o", "resilience.max_restarts=0", "--inject", "kill:rank=1,step=19"]
+    run, local = local_tier_run(workspace, "local-damaged", *stop, expect=1)
+    [record] = [json.loads(p.read_text()) for p in run.local_tier_dir.glob("rank-1.json")]
+    newest = max(record["steps"])
+    step_dir = Path(record["path"]) / str(newest)
+    damaged = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert damaged
+    for f in damaged:
+        f.write_bytes(os.urandom(100))
+    run, _ = local_tier_run(workspace, "local-damaged", "-o", "resilience.max_restarts=3", "--resume")
+    [quarantined] = events(run, "checkpoint.quarantined")
+    assert (quarantined["tier"], quarantined["step"]) == ("local", newest) and "the restore failed" in \
+        quarantined["reason"]
+    assert Path(quarantined["moved_to"]).is_dir() and not step_dir.exists()  # kept for a post-mortem
+    ended = events(run, "attempt.ended")
+    assert [e["cause"] for e in ended] == ["task_signal", "corrupt_checkpoint", "completed"]
+    failed = ended[1]["t"] - events(run, "attempt.started")[1]["t"]
+    [restored] = events(run, "checkpoint.restored")
+    assert (restored["attempt"], restored["tier"], restored["step"]) == (3, "local", newest - 2)
+    assert outcome_sha(run) == outcome_sha(baseline)
+    print(f"damaged local step {newest}: the attempt failed {failed:.1f} s after it started; restored step "
+          f"{newest - 2} from the local tier")

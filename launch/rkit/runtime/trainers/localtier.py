@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,17 +219,29 @@ class LocalTier:
         assert self.process_dir is not None
         for step, path in sorted(step_dirs_in(self.process_dir).items(), reverse=True):
             problem = local_step_problem(path)
-            if problem is None:
-                continue
-            target = self.root / "quarantine" / f"{self.process}-{step}"
-            n = 2
-            while target.exists():
-                target = self.root / "quarantine" / f"{self.process}-{step}-{n}"
-                n += 1
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
-            self.emit(EV.CHECKPOINT_QUARANTINED, step=step, tier="local", reason=problem, rank=self.rank,
-                      attempt=self.attempt, moved_to=str(target))
+            if problem is not None:
+                self.quarantine(step, path, problem)
+
+    def quarantine(self, step: int, path: Path, problem: str) -> None:
+        target = self.root / "quarantine" / f"{self.process}-{step}"
+        n = 2
+        while target.exists():
+            target = self.root / "quarantine" / f"{self.process}-{step}-{n}"
+            n += 1
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        self.emit(EV.CHECKPOINT_QUARANTINED, step=step, tier="local", reason=problem, rank=self.rank,
+                  attempt=self.attempt, moved_to=str(target))
+        self.observe()
+
+    def restore_failed(self, step: int, exc: BaseException) -> None:
+        """Orbax could not restore this process's local step (a data file damaged where the files look whole):
+        the step is moved aside, so that the next attempt restores from another replica or the run directory."""
+        from rkit.runtime.trainers.orbaxdirs import step_dirs_in
+
+        path = step_dirs_in(self.process_dir).get(step)
+        if self.restored_tier == "local" and path is not None:
+            self.quarantine(step, path, f"the restore failed: {type(exc).__name__}: {str(exc)[:300]}")
 
     # -- after a restore
 
@@ -351,7 +364,18 @@ def hook(tier: LocalTier) -> None:
         if isinstance(abstract, nnx.State):  # as MaxText's own restore does
             abstract = abstract.to_pure_dict()
         began = time.monotonic()
-        restored = restore0(checkpoint_manager, step, jax.tree.map(raw, abstract))
+        try:
+            restored = restore0(checkpoint_manager, step, jax.tree.map(raw, abstract))
+        except Exception as exc:
+            tier.restore_failed(int(step), exc)
+            traceback.print_exc()
+            # Said in the words ranklogs.RESTORE_FAILED reads (the attempt's cause: corrupt_checkpoint); then out at
+            # once: raised, the process would wait minutes in jax.distributed's shutdown for peers stuck in the
+            # restore's broadcast, and the attempt with it.
+            sys.stderr.write(f"rkit: Failed to restore step {step} from the {tier.restored_tier} tier "
+                             f"({type(exc).__name__}); this process exits now\n")
+            sys.stderr.flush()
+            os._exit(1)
         seconds = time.monotonic() - began
         if gone := tier.purge_newer(int(step)):
             sys.stderr.write(f"rkit: removed this process's local checkpoints of steps {', '.join(map(str, gone))}, "
