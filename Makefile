@@ -129,3 +129,4 @@ bench: setup
 	$(PY) tests/benchmarks/supervisor_scale.py --ranks 512 --seconds 60
 	$(PY) tests/benchmarks/gate_noise.py --pairs 10 --repeats 2
 	$(PY) tests/benchmarks/checkpoint_cadence.py --steps 9000 --repeats 1
+	$(PY) tests/benchmarks/local_tier.py --crashes 6

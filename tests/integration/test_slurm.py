@@ -373,3 +373,33 @@ def test_batch_host_crash_slurm_requeues_and_the_run_continues(cluster, slurm_wo
     first = next(e for e in events if e["event"] == "attempt.first_step" and e["attempt"] == 2)
     print(f"batch host crash -> first resumed step: {first['t'] - crashed_at:.1f} s")
     assert s["state"] == "finished" and final_loss(run) == final_loss(clean_run)
+
+
+def test_a_node_replaced_with_empty_local_storage_restores_the_run_directorys_step_and_says_so(
+        cluster, slurm_workspace, cpu_image, clean_run: RunDir):
+    # The node-local tier on Slurm, in the image. The test bed's nodes share /tmp, so each node's "own storage" is
+    # a directory named after it ($SLURMD_NODENAME, expanded on the node): the spare that replaces a crashed node
+    # finds it empty, as a real replacement would. Rank 1 (the second node) holds the only local copies.
+    local = slurm_workspace / "node-local"
+    local.mkdir(exist_ok=True)
+    run = submit(cluster, slurm_workspace, "local-tier", cpu_image,
+                 "-o", f"checkpoint.local_dir={local}/$SLURMD_NODENAME", "-o", "checkpoint.local_period=2",
+                 "-o", "trainer.overrides.ici_data_parallelism=-1", "-o", "trainer.overrides.ici_fsdp_parallelism=1")
+    victim, crashed_at = crash_and_wait_finished(cluster, run, 25, 1)
+    events = run.events()
+    assert any(e["event"] == "run.finished" for e in events)
+    [record] = [json.loads(p.read_text()) for p in run.local_tier_dir.glob("rank-1.json")]
+    restored = [e for e in events if e["event"] == "checkpoint.restored"]
+    assert [(e["attempt"], e["tier"]) for e in restored] == [(2, "persistent")]
+    # the supervisor counted the crashed node's local steps (every 2) as committed; the restore of the run
+    # directory's older step (every 10) says which was lost
+    lost, step = restored[0]["lost_step"], restored[0]["step"]
+    assert step % 10 == 0 and lost > step and lost % 2 == 0, restored
+    second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
+    assert victim not in second["launch"]["nodes"] and record["node"] != victim
+    assert f"(persistent tier; step {lost} was lost)" in rkit("status", str(run.path), env=cluster, check=0).stdout
+    assert (local / victim).is_dir()  # the crashed node's directory: what its local storage held
+    assert final_loss(run) == final_loss(clean_run)
+    first_step = next(e for e in events if e["event"] == "attempt.first_step" and e["attempt"] == 2)
+    print(f"local tier on Slurm: {victim} crashed at step 25; restored step {step} from the run directory "
+          f"({lost} lost); crash -> first step {first_step['t'] - crashed_at:.1f} s")

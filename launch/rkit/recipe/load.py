@@ -248,11 +248,16 @@ def _elastic_problems(data: dict) -> list[Problem]:
     if res["min_nodes"] > res["nodes"]:
         return [Problem("resources.min_nodes", f"{res['min_nodes']} is more than resources.nodes ({res['nodes']}); "
                                                "give at most nodes (fewer lets an attempt shrink).")]
+    config = _typed(data)
+    return [] if config is None else elastic.problems(config)
+
+
+def _typed(data: dict) -> Config | None:
+    """The recipe's typed view for the checks that need one; None when the schema's problems say why not."""
     try:
-        config = Config.from_resolved(data)
+        return Config.from_resolved(data)
     except RkitError:
-        return []  # the schema's problems say why
-    return elastic.problems(config)
+        return None
 
 
 def _local_tier_problems(data: dict) -> list[Problem]:
@@ -266,11 +271,8 @@ def _local_tier_problems(data: dict) -> list[Problem]:
     if bad := unsafe_path_chars(ckpt["local_dir"]):
         return [Problem("checkpoint.local_dir", f"{ckpt['local_dir']!r} holds {bad}, {PATH_CHARS_WHY}; pick a "
                                                 "directory without them.")]
-    try:
-        config = Config.from_resolved(data)
-    except RkitError:
-        return []  # the schema's problems say why
-    return _local_tier_config_problems(config)
+    config = _typed(data)
+    return [] if config is None else _local_tier_config_problems(config)
 
 
 def _local_tier_config_problems(config: Config) -> list[Problem]:
