@@ -5,6 +5,7 @@ what counts as committed, the integrity check of a local step, its rehearsal inj
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,7 @@ def test_a_local_step_counts_as_committed_when_one_replica_holds_it_whole(tmp_pa
     assert localtier.restorable(localtier.records(run)) == [12]
     (run.local_tier_dir / "rank-9.json").write_text("{not json")  # damaged: skipped
     (run.local_tier_dir / "rank-8.json").write_text(json.dumps({"steps": ["x"]}))
+    os.mkfifo(run.local_tier_dir / "rank-7.json")  # planted: must not hang the reader
     assert maxtext.latest_committed_step(run) == 12
     (run.orbax_dir / "20").mkdir(parents=True)
     (run.orbax_dir / "20" / "_CHECKPOINT_METADATA").write_text("{}")

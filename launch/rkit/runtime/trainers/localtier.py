@@ -23,7 +23,6 @@ step is in, and a restore from an older step than the local tier had is said (`c
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
+from rkit.contract.safeio import load_json
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -98,9 +98,9 @@ def records(run: RunDir) -> list[dict]:
     except OSError:
         return []
     for path in paths:
-        try:
-            value = json.loads(path.read_text(encoding="utf-8")[:1 << 20])
-        except (OSError, ValueError):
+        try:  # a regular file only (a FIFO or device planted there must not hang a reader)
+            value = load_json(path, "local-tier record", limit=1 << 20)
+        except (RkitError, OSError):
             continue
         if isinstance(value, dict) and isinstance(value.get("steps"), list) \
                 and all(isinstance(s, int) and not isinstance(s, bool) for s in value["steps"]):
