@@ -17,7 +17,7 @@ from rkit.recipe.load import load_recipe
 from rkit.runtime.inject import parse_injections
 from rkit.runtime.trainers import localtier, maxtext
 
-from ..conftest import TINY
+from ..conftest import TINY, rkit
 from .synthetic_run import write_run
 
 GOOD = ("checkpoint.local_dir=$SLURM_TMPDIR", "trainer.overrides.ici_data_parallelism=-1",
@@ -160,3 +160,16 @@ def test_status_says_each_tier_and_a_restore_older_than_the_local_tier(tmp_path:
     text = run_status.render_status(s)
     assert "tiers      persistent (run directory) " in text and "local (node storage) 18; rank 1 on n1: 18" in text
     assert "#2  resumed from step 10 (persistent tier; step 18 was lost)" in text
+
+
+def test_an_unset_variable_in_the_local_dir_is_refused_before_a_local_run_writes_anything(tmp_path: Path):
+    # the local launcher's machine is the node: the variable is looked up when the run is planned
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_TMPDIR"}
+    env["SLURM_TMPDIR"] = ""
+    done = rkit("run", str(TINY), "--dry-run", "-o", "name=unset", *(f"-o{o}" for o in GOOD), cwd=tmp_path,
+                env=env, check=2)
+    assert "$SLURM_TMPDIR is not set on this node" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "runs").exists()
+    done = rkit("run", str(TINY), "--dry-run", "-o", "name=set", *(f"-o{o}" for o in GOOD), cwd=tmp_path,
+                env={"SLURM_TMPDIR": str(tmp_path / "node")}, check=0)
+    assert "enable_emergency_checkpoint=true" in done.stdout

@@ -122,6 +122,8 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
             slurm.check_container_launch(recipe.config.slurm.container_launch)
         batch = slurm.render_batch(run, recipe.config, recipe.config.slurm.python or sys.executable)
         return LaunchPlan(**common, batch=batch)
+    if recipe.config.checkpoint.local_dir:  # this machine is the node: an unset variable is a mistake found now
+        localtier.expand(recipe.config.checkpoint.local_dir, {**host, **common["base_env"]})
     container = None
     if image is not None:
         container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
