@@ -160,6 +160,10 @@ def test_status_says_each_tier_and_a_restore_older_than_the_local_tier(tmp_path:
     text = run_status.render_status(s)
     assert "tiers      persistent (run directory) " in text and "local (node storage) 18; rank 1 on n1: 18" in text
     assert "#2  resumed from step 10 (persistent tier; step 18 was lost)" in text
+    from rkit.readers.report import _resumed
+
+    assert _resumed(s["attempts"][1]) == "step 10 (persistent tier; step 18 lost)"
+    assert _resumed(s["attempts"][0]) == "from scratch"
 
 
 def test_an_unset_variable_in_the_local_dir_is_refused_before_a_local_run_writes_anything(tmp_path: Path):
