@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from rkit.contract.errors import RecipeError, RkitError
-from rkit.contract.rundir import RunDir
+from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.readers import status as run_status
 from rkit.recipe.load import load_recipe
 from rkit.runtime.inject import parse_injections
@@ -160,10 +161,10 @@ def test_status_says_each_tier_and_a_restore_older_than_the_local_tier(tmp_path:
     text = run_status.render_status(s)
     assert "tiers      persistent (run directory) " in text and "local (node storage) 18; rank 1 on n1: 18" in text
     assert "#2  resumed from step 10 (persistent tier; step 18 was lost)" in text
-    from rkit.readers.report import _resumed
+    from rkit.readers.display import resumed_from  # the report's attempts table says it the same way
 
-    assert _resumed(s["attempts"][1]) == "step 10 (persistent tier; step 18 lost)"
-    assert _resumed(s["attempts"][0]) == "from scratch"
+    assert resumed_from(s["attempts"][1]) == "step 10 (persistent tier; step 18 was lost)"
+    assert resumed_from(s["attempts"][0]) == "from scratch"
 
 
 def test_an_unset_variable_in_the_local_dir_is_refused_before_a_local_run_writes_anything(tmp_path: Path):
@@ -177,3 +178,21 @@ def test_an_unset_variable_in_the_local_dir_is_refused_before_a_local_run_writes
     done = rkit("run", str(TINY), "--dry-run", "-o", "name=set", *(f"-o{o}" for o in GOOD), cwd=tmp_path,
                 env={"SLURM_TMPDIR": str(tmp_path / "node")}, check=0)
     assert "enable_emergency_checkpoint=true" in done.stdout
+
+
+def test_the_records_are_read_again_only_when_a_rank_rewrote_one(tmp_path: Path):
+    # the supervisor asks every poll: an unchanged directory (its mtime older than a few seconds) is not read again
+    run = RunDir(tmp_path / "run")
+    run.local_tier_dir.mkdir(parents=True)
+    write_json_atomic(localtier.record_path(run, 1), {"rank": 1, "replica": 1, "replica_size": 1, "steps": [12]})
+    old = time.time() - 60
+    os.utime(run.local_tier_dir, (old, old))
+    assert localtier.newest_restorable(run) == 12
+    # edited in place (rkit never does): the directory is unchanged, so the read is not repeated
+    localtier.record_path(run, 1).write_text(json.dumps({"rank": 1, "replica": 1, "replica_size": 1,
+                                                         "steps": [99]}))
+    os.utime(run.local_tier_dir, (old, old))
+    assert localtier.newest_restorable(run) == 12
+    # a rank's rewrite (a rename into the directory) is read
+    write_json_atomic(localtier.record_path(run, 1), {"rank": 1, "replica": 1, "replica_size": 1, "steps": [14]})
+    assert localtier.newest_restorable(run) == 14

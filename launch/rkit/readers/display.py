@@ -48,6 +48,15 @@ def live_progress(*, enabled: bool, total: int) -> Iterator[Callable[[RunProgres
         yield update
 
 
+def resumed_from(a: dict[str, Any]) -> str:
+    """Where an attempt (a status row) started: from scratch, the step counted as committed, or (a node-local
+    tier) the step and tier rank 0 restored and a newer step that was lost."""
+    if a.get("restored_tier"):
+        lost = f"; step {a['lost_step']} was lost" if a.get("lost_step") else ""
+        return f"step {a.get('restored_step')} ({a['restored_tier']} tier{lost})"
+    return "from scratch" if a.get("resume_from_step") is None else f"step {a['resume_from_step']}"
+
+
 def steps_text(steps: Any) -> str:
     """Checkpoint steps as a list for the text views: 10, 20 (none: -)."""
     return ", ".join(str(s) for s in steps) if isinstance(steps, list) and steps else "-"

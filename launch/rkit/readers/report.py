@@ -18,7 +18,7 @@ from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, set_access, write_atomic
 from rkit.readers import goodput
-from rkit.readers.display import progress
+from rkit.readers.display import progress, resumed_from
 from rkit.run.stragglers import SKIP_STEPS, find_stragglers, straggler_events
 from rkit.runtime.telemetry import metrics
 
@@ -295,15 +295,6 @@ def _since(t: float, start: float | None) -> str:
     return "-" if start is None else f"+{t - start:.1f} s"
 
 
-def _resumed(a: dict[str, Any]) -> str:
-    """Where an attempt started: scratch, the step counted as committed, or (a node-local tier) the step and
-    tier rank 0 restored, and the newer step that was lost."""
-    if a.get("restored_tier"):
-        lost = f"; step {a['lost_step']} lost" if a.get("lost_step") else ""
-        return f"step {a.get('restored_step')} ({a['restored_tier']} tier{lost})"
-    return "from scratch" if a.get("resume_from_step") is None else f"step {a['resume_from_step']}"
-
-
 def _tables(d: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     s, g = d["status"], d["goodput"]
     overview = [["state", s["state"] + (f": {s['reason']}" if s["reason"] else "")],
@@ -315,7 +306,7 @@ def _tables(d: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                 ["throughput", f"{_fmt(s['tokens_per_sec'], '{:,.0f}')} tokens/s, step time "
                                f"{_fmt(s['step_time_seconds'], '{:.3f}')} s (median of recent steps)"],
                 ["wall time", f"{g['wall_seconds']:.1f} s"], ["goodput", _pct(g["goodput"])]]
-    attempts = [[str(a["attempt"]), _resumed(a), ", ".join(a.get("nodes") or []) or "-",
+    attempts = [[str(a["attempt"]), resumed_from(a), ", ".join(a.get("nodes") or []) or "-",
                  _fmt(a.get("gradient_accumulation_steps"), "{}"),
                  _fmt(a.get("first_step_seconds"), "{:.1f} s"), str(a.get("cause", "running")),
                  str(a.get("detail") or ""), str(a.get("decision") or "")] for a in s["attempts"]]

@@ -14,7 +14,7 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, last_jsonl
 from rkit.readers import goodput, goodput_events
 from rkit.readers.digest import RunDigest
-from rkit.readers.display import TOP, more, num, progress, render_goodput, render_watch, steps_text, top
+from rkit.readers.display import TOP, more, num, progress, render_goodput, render_watch, resumed_from, steps_text, top
 from rkit.run.policy import FINAL_EVENTS, RunState
 from rkit.run.stragglers import straggler_events
 from rkit.runtime.telemetry import metrics
@@ -326,11 +326,8 @@ def render_status(s: dict[str, Any]) -> str:
     lines.append(f"attempts   {len(s['attempts'])}" +
                  (f" ({s['recomputed_steps']} step(s) recomputed after restarts)" if s["recomputed_steps"] else ""))
     for a in s["attempts"]:
-        resume = a.get("resume_from_step")
-        start = "from scratch" if resume is None else f"resumed from step {resume}"
-        if a.get("restored_tier"):  # what rank 0 restored (a local tier's lost step is said)
-            start = f"resumed from step {a.get('restored_step')} ({a['restored_tier']} tier" + (
-                f"; step {a['lost_step']} was lost" if a.get("lost_step") else "") + ")"
+        start = resumed_from(a)
+        start = start if start == "from scratch" else f"resumed from {start}"
         end = a.get("cause", "running")
         found = "" if not a.get("detected_by") else f"; found by {a['detected_by']}" + (
             f" {a['detect_seconds']:.1f} s after the node's last heartbeat" if a.get("detect_seconds") else "")

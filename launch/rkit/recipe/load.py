@@ -278,8 +278,6 @@ def _local_tier_problems(data: dict) -> list[Problem]:
 def _local_tier_config_problems(config: Config) -> list[Problem]:
     """Why this recipe cannot have a node-local tier (runtime/trainers/localtier.py), before anything starts."""
     ckpt, res = config.checkpoint, config.resources
-    if not ckpt.local_dir:
-        return []
     found = []
     where = "trainer.overrides."
     text = str(ckpt.local_dir)
@@ -299,9 +297,8 @@ def _local_tier_config_problems(config: Config) -> list[Problem]:
                                                              "ici_fsdp_parallelism to 1 (or a size that divides "
                                                              "each process's devices)."))
     elif data == -1:
-        for key in sorted({*elastic.MAXTEXT_DEFAULTS, *(config.trainer.overrides or {})}):
-            if key.startswith("ici_") and key.endswith("_parallelism") and key != "ici_data_parallelism" \
-                    and elastic.setting(config, key) == -1:
+        for key, value in sorted(elastic.mesh_settings(config, ("ici",)).items()):
+            if key != "ici_data_parallelism" and value == -1:
                 found.append(Problem(f"{where}{key}", "-1 (auto) beside ici_data_parallelism -1: MaxText allows "
                                                       "one auto axis; give it a fixed size (1 for fsdp keeps each "
                                                       "replica's state whole on its process)."))

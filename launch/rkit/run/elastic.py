@@ -76,6 +76,12 @@ def _base_file_values(base_config: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def mesh_settings(config: Config, prefixes: tuple[str, ...] = ("ici", "dcn")) -> dict[str, Any]:
+    """MaxText's value of each <prefix>_<axis>_parallelism key the recipe or base.yml's defaults name."""
+    return {key: setting(config, key) for key in {*MAXTEXT_DEFAULTS, *(config.trainer.overrides or {})}
+            if key.split("_", 1)[0] in prefixes and key.endswith("_parallelism")}
+
+
 def accumulation(config: Config) -> int:
     value = setting(config, "gradient_accumulation_steps")
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1
@@ -127,9 +133,7 @@ def problems(config: Config) -> list[Problem]:
                                                               "by raising gradient_accumulation_steps, which needs "
                                                               "a whole per_device_batch_size of 1 or more; set "
                                                               "one, or remove resources.min_nodes."))
-    axes = {key: setting(config, key) for prefix in ("ici", "dcn")
-            for key in {*MAXTEXT_DEFAULTS, *(config.trainer.overrides or {})}
-            if key.startswith(f"{prefix}_") and key.endswith("_parallelism")}
+    axes = mesh_settings(config)
     auto = sorted(key for key, value in axes.items() if value == -1)
     data_axis = [key for key in auto if key.split("_", 1)[1].removesuffix("_parallelism") in DATA_AXES]
     for key in sorted(set(auto) - set(data_axis)):

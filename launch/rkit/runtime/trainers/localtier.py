@@ -36,6 +36,7 @@ from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.contract.safeio import load_json
+from rkit.runtime.trainers.orbaxdirs import committed_in, local_step_problem, step_dirs_in
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,8 +91,24 @@ def record_path(run: RunDir, rank: int) -> Path:
     return run.local_tier_dir / f"{RECORD_PREFIX}{rank}.json"
 
 
+# records() per directory: its mtime when read, and what was read. The supervisor asks every poll (0.1 s) and a
+# run has a record per rank on a shared file system: read again only when a rank rewrote one (a rename changes the
+# directory's mtime), or while the last change is under RECENT_SECONDS old (two renames within the file system's
+# mtime granularity would leave it unchanged).
+_READ: dict[str, tuple[int, list[dict]]] = {}
+RECENT_SECONDS = 2.0
+
+
 def records(run: RunDir) -> list[dict]:
     """Each rank's last record of its local tier: rank, node, process, replica, replica_size, steps, path."""
+    try:
+        seen = os.stat(run.local_tier_dir)
+    except OSError:
+        return []
+    key = str(run.local_tier_dir)
+    cached = _READ.get(key)
+    if cached is not None and cached[0] == seen.st_mtime_ns and time.time() - seen.st_mtime > RECENT_SECONDS:
+        return cached[1]
     found = []
     try:
         paths = sorted(run.local_tier_dir.glob(f"{RECORD_PREFIX}*.json"))
@@ -105,6 +122,7 @@ def records(run: RunDir) -> list[dict]:
         if isinstance(value, dict) and isinstance(value.get("steps"), list) \
                 and all(isinstance(s, int) and not isinstance(s, bool) for s in value["steps"]):
             found.append(value)
+    _READ[key] = (seen.st_mtime_ns, found)
     return found
 
 
@@ -129,8 +147,6 @@ def newest_restorable(run: RunDir) -> int | None:
 
 def tiers(run: RunDir) -> dict[str, Any]:
     """`rkit status`: the committed steps of each tier (the newest few) and each rank's local steps."""
-    from rkit.runtime.trainers.orbaxdirs import committed_in
-
     found = records(run)
     return {"persistent": committed_in(run.orbax_dir)[-3:], "local": restorable(found)[-3:],
             "ranks": [{k: r.get(k) for k in ("rank", "node", "replica", "steps")} for r in found if r.get("steps")]}
@@ -156,8 +172,6 @@ class LocalTier:
     # -- the record
 
     def local_steps(self) -> list[int]:
-        from rkit.runtime.trainers.orbaxdirs import committed_in
-
         return committed_in(self.process_dir) if self.process_dir is not None else []
 
     def observe(self, step: int | None = None) -> None:
@@ -214,8 +228,6 @@ class LocalTier:
     def check(self) -> None:
         """Each local step Orbax would see but could not restore is moved to <local>/quarantine/ (a
         `checkpoint.quarantined` event with tier local)."""
-        from rkit.runtime.trainers.orbaxdirs import local_step_problem, step_dirs_in
-
         assert self.process_dir is not None
         for step, path in sorted(step_dirs_in(self.process_dir).items(), reverse=True):
             problem = local_step_problem(path)
@@ -237,8 +249,6 @@ class LocalTier:
     def restore_failed(self, step: int, exc: BaseException) -> None:
         """Orbax could not restore this process's local step (a data file damaged where the files look whole):
         the step is moved aside, so that the next attempt restores from another replica or the run directory."""
-        from rkit.runtime.trainers.orbaxdirs import step_dirs_in
-
         path = step_dirs_in(self.process_dir).get(step)
         if self.restored_tier == "local" and path is not None:
             self.quarantine(step, path, f"the restore failed: {type(exc).__name__}: {str(exc)[:300]}")
@@ -246,8 +256,6 @@ class LocalTier:
     # -- after a restore
 
     def purge_newer(self, step: int) -> list[int]:
-        from rkit.runtime.trainers.orbaxdirs import step_dirs_in
-
         gone = []
         for s, path in step_dirs_in(self.process_dir).items() if self.process_dir is not None else ():
             if s > step:
@@ -277,9 +285,9 @@ class LocalTier:
         self.emit(EV.CHECKPOINT_RESTORED, **fields)
 
 
-def _replica_of(mesh: Any, axis: int) -> tuple[int, int, int]:
-    """This process's replica along `axis`, the replica count, and how many processes the replica spans; an
-    RkitError when this process's devices lie in more than one replica."""
+def _replica_of(mesh: Any, axis: int) -> tuple[int, int]:
+    """This process's replica along `axis` and how many processes the replica spans; an RkitError when this
+    process's devices lie in more than one replica, or there are fewer than 2 replicas."""
     import jax
     import numpy as np
 
@@ -293,7 +301,7 @@ def _replica_of(mesh: Any, axis: int) -> tuple[int, int, int]:
                         "processes (or -1) and the other ici axes to what one process's devices hold.")
     replica = replicas.pop()
     members = {devices[index].process_index for index in np.ndindex(devices.shape) if index[axis] == replica}
-    return replica, devices.shape[axis], len(members)
+    return replica, len(members)
 
 
 def hook(tier: LocalTier) -> None:
@@ -340,7 +348,7 @@ def hook(tier: LocalTier) -> None:
 
         flags.FLAGS.experimental_orbax_use_distributed_process_id = True
         axis = list(global_mesh.axis_names).index(DATA_AXIS)  # fix 3
-        tier.replica, replicas, tier.replica_size = _replica_of(global_mesh, axis)
+        tier.replica, tier.replica_size = _replica_of(global_mesh, axis)
         tier.process_dir = Path(local_checkpoint_dir) / str(jax.process_index())  # fix 2
         tier.process_dir.mkdir(parents=True, exist_ok=True)
         tier.check()
