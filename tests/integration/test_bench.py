@@ -77,8 +77,14 @@ def test_bench_run_then_compare_against_the_saved_baseline_again_agrees(identica
     extra = again["benchmarks"][0]["extra_info"]
     assert extra["loss_sha256"] == identical["loss"]["checksums"][0] and extra["deterministic"]
     assert extra["image_sha256"] is None and extra["hardware_sha256"].startswith("sha256:")
-    compared = rkit("bench", "compare", "det-baseline", "again", "--json", cwd=bench_dir, check=0)
-    assert json.loads(compared.stdout)["loss"]["counts"]["EXACT"] == 40
+    # The two results were measured minutes apart, the second beside the other worker's tests: their speed may
+    # differ (CI saw 1.54x), so the test holds compare to its own verdict and the loss to bit-for-bit, not the
+    # machine to a speed. A speed verdict is the `quiet` gate tests' subject.
+    compared = rkit("bench", "compare", "det-baseline", "again", "--json", cwd=bench_dir)
+    result = json.loads(compared.stdout)
+    assert result["loss"]["agree"] and result["loss"]["counts"]["EXACT"] == 40
+    assert set(result["worse"]) <= {m["metric"] for m in result["performance"]}
+    assert compared.returncode == (1 if result["worse"] else 0) and result["agree"] == (not result["worse"])
     # pytest-benchmark's own CLI reads all three saved results.
     shown = subprocess.run([sys.executable, "-m", "pytest_benchmark", "compare", "0001", "0002", "0003"],
                            cwd=bench_dir, capture_output=True, text=True, check=True).stdout

@@ -137,6 +137,8 @@ class FakeBackend:
             step = handle.step[rank]
             if rank == 0 and (code := self.script.at("exit", handle.attempt, step)):
                 handle.exits[rank] = RankExit(rank, code[0], "n1")
+            elif rank == 0 and (raced := self.script.at("peerrace", handle.attempt, step)):
+                peer_race(self.run, handle, step, raced[0])
             elif rank == 1 and (said := self.script.at("raise", handle.attempt, step)):
                 log = self.run.rank_log(handle.attempt, 1)  # the rank's own traceback, then exit 1
                 log.parent.mkdir(parents=True, exist_ok=True)
@@ -209,6 +211,30 @@ class FakeBackend:
         for rank in stopped:
             (out_dir / f"rank-{rank}.txt").write_text("Thread 0x0 (most recent call first):\n")
         return "fake"
+
+
+# What the CI's Slurm run showed (stop 35): rank 0 fails by itself and its peer's collective breaks with it.
+OWN_WORDS = "rkit: injected fault 'exit:rank=0,step={step},code=3,repeat=true' fires at step {step}"
+PEER_WORDS = ("jax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:538] Read "
+              "error [127.0.0.1]:{port}: Connection reset by peer")
+
+
+def peer_race(run: RunDir, handle: FakeHandle, step: int, raced: tuple[int, ...]) -> None:
+    """Rank 0 exits 3 by itself; rank 1 aborts (134) when its Gloo pair breaks. In a `raced` attempt srun hears
+    rank 1's abort first and ends rank 0 itself (SIGTERM, its exit code lost), as under load on the test bed; in
+    the others rank 0's own exit is first and srun kills rank 1."""
+    for rank, said in ((0, OWN_WORDS.format(step=step + 1)),
+                       (1, "Traceback (most recent call last):\n  File \"train.py\", line 9\n"
+                           + PEER_WORDS.format(port=57000 + handle.attempt))):
+        log = run.rank_log(handle.attempt, rank)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"I1203 completed step: {step}\n{said}\n")
+    if handle.attempt in raced:
+        handle.exits[1] = RankExit(1, 134, "n2")
+        handle.exits[0] = RankExit(0, -signal.SIGTERM, "n1", ended_by_launcher=True)
+    else:
+        handle.exits[0] = RankExit(0, 3, "n1")
+        handle.exits[1] = RankExit(1, -signal.SIGKILL, "n2", ended_by_launcher=True)
 
 
 def commit(run: RunDir, step: int) -> None:
@@ -466,6 +492,21 @@ def test_run_to_end_stops_a_crash_loop_on_its_signature(tmp_path):
     assert gave_up.startswith("crash loop: 2 consecutive attempts failed the same way")
     assert "rank 0 exited with code 3 after step 6" in gave_up
     assert len(events(sup.run, EV.ATTEMPT_STARTED)) == 2  # attempt 1 committed step 4; the same failure anyway
+
+
+@pytest.mark.parametrize("raced", [(), (1,), (2,), (1, 2)])
+def test_a_crash_loop_is_seen_whichever_of_two_failing_ranks_srun_names_first(tmp_path, raced):
+    sup, _ = make(tmp_path, Script(peerrace=(None, 6, raced)), "resilience.crash_loop_limit=2")
+    assert sup.run_to_end() is RunState.GAVE_UP
+    failed = events(sup.run, EV.ATTEMPT_FAILED)
+    assert [(e["attempt"], e["rank"], e["cls"]) for e in failed] == [(1, 0, "task_exit"), (2, 0, "task_exit")]
+    assert all(e["error"] == OWN_WORDS.format(step=7) for e in failed)
+    assert [e.get("ended_by_launcher", False) for e in failed] == [a in raced for a in (1, 2)]
+    gave_up = events(sup.run, EV.RUN_GAVE_UP)[0]["reason"]
+    assert gave_up.startswith("crash loop: 2 consecutive attempts failed the same way")
+    last = ("rank 0 failed (the launcher ended it with SIGTERM once rank 1 exited with code 134) after step 6"
+            if 2 in raced else "rank 0 exited with code 3 after step 6")
+    assert f"{last}: {OWN_WORDS.format(step=7)}" in gave_up
 
 
 def test_run_to_end_records_a_lost_attempt_first(tmp_path, monkeypatch):

@@ -304,6 +304,30 @@ def test_a_node_that_answers_its_probe_while_still_silent_is_probed_again_less_a
         live.close()
 
 
+def test_a_task_srun_ended_after_another_failed_is_marked_so(tmp_path):
+    """The srun log of the CI run (stop 35) where rank 1's abort was heard before rank 0's own exit: srun ended
+    rank 0 (its exit code lost); a third task srun did not name was killed with the step."""
+    from rkit.backends.slurm.launcher import SlurmStepBackend, StepHandle, StepRequest
+    from rkit.contract.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.emit(EV.AGENT_STARTED, attempt=1, rank=0, pid=1, warm=False)
+    log = tmp_path / "srun.log"
+    log.write_text("srun: error: c2: task 1: Exited with exit code 134\nsrun: Terminating StepId=240.1\n"
+                   "slurmstepd: error: *** STEP 240.1 ON c1 CANCELLED AT 2026-12-03T09:08:55 ***\n"
+                   "srun: error: c1: task 0: Terminated\nsrun: Force Terminated StepId=240.1\n")
+    request = StepRequest(attempt=1, argv=["srun"], env={"RKIT_RUN_DIR": str(run.path), "RKIT_NPROCS": "3"},
+                          nodes=["c1", "c2", "c3"], log=log, cwd=tmp_path, processes=3)
+    handle = StepHandle.cold(request, _done("false"))
+    exits = SlurmStepBackend(nodes_per_step=3, tasks_per_node=1).poll(handle)
+    assert list(exits) == [1, 0, 2]
+    assert (exits[1].returncode, exits[1].ended_by_launcher) == (134, False)
+    assert (exits[0].returncode, exits[0].node, exits[0].ended_by_launcher) == (-signal.SIGTERM, "c1", True)
+    assert exits[2].ended_by_launcher and exits[0].describe().startswith("was ended by the launcher (SIGTERM)")
+    assert handle.launch_failed is None
+
+
 def test_slurms_oom_kill_report_makes_the_task_out_of_memory(tmp_path):
     from rkit.backends.slurm.launcher import SlurmStepBackend, StepHandle, StepRequest
     from rkit.contract.rundir import RunDir

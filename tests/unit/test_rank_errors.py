@@ -42,6 +42,20 @@ def test_a_dotted_exception_and_a_runtime_line_without_a_traceback(tmp_path):
     assert rank_error(tmp_path / "missing.log") is None
 
 
+def test_an_injected_fault_is_the_ranks_words_and_a_broken_collective_is_a_peers(tmp_path):
+    from rkit.run.ranklogs import PEER_FAILED
+
+    injected = "I1203 completed step: 14\nrkit: injected fault 'exit:rank=0,step=15,code=3' fires at step 15\n"
+    said = rank_error(log(tmp_path, injected))
+    assert said == "rkit: injected fault 'exit:rank=0,step=15,code=3' fires at step 15" and not PEER_FAILED.search(said)
+    gloo = ("Traceback (most recent call last):\n  x\njax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: "
+            "[gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:57546: Connection reset by peer\n")
+    assert PEER_FAILED.search(rank_error(log(tmp_path, gloo)))
+    for own in ("ValueError: 'learning_rat' not in config", "jax.errors.JaxRuntimeError: INTERNAL: boom",
+                "F1201 pjrt.cc:9] Check failed: buffer != nullptr"):
+        assert not PEER_FAILED.search(own)
+
+
 def test_credentials_in_the_error_are_masked(tmp_path):
     text = "Traceback (most recent call last):\nOSError: cannot open gs://alice:hunter2@bucket/data\n"
     said = rank_error(log(tmp_path, text))

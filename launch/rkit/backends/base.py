@@ -37,6 +37,9 @@ class RankExit:
     rank: int
     returncode: int  # negative: killed by that signal (subprocess convention)
     node: str | None = None
+    # The launcher ended it after another rank had failed (srun --kill-on-bad-exit): its signal is srun's, and the
+    # exit it was making of its own, if any, is lost.
+    ended_by_launcher: bool = False
 
     @property
     def signal_name(self) -> str | None:
@@ -48,11 +51,13 @@ class RankExit:
             return f"signal {-self.returncode}"
 
     def describe(self) -> str:
+        if self.ended_by_launcher:
+            return f"was ended by the launcher ({self.signal_name}) after another rank failed"
         return f"killed by {self.signal_name}" if self.signal_name else f"exited with code {self.returncode}"
 
     def as_record(self) -> dict:
         return {"exit_code": self.returncode if self.returncode >= 0 else None, "signal": self.signal_name,
-                "node": self.node}
+                "node": self.node, **({"ended_by_launcher": True} if self.ended_by_launcher else {})}
 
 
 class NotEnoughNodes(Exception):

@@ -73,6 +73,7 @@ EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
                      "threshold", "grace_seconds", "interval_seconds", "mtbf_seconds", "save_seconds",
                      "step_seconds", "hours"), float),
     **dict.fromkeys(("fs", "path"), str),
+    "ended_by_launcher": bool,  # attempt.failed: srun ended the failing rank after another's exit (its code lost)
 }
 LATEST_T = 1e11  # seconds since 1970: the year 5138
 

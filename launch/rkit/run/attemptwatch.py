@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from rkit.backends.base import RankExit
 from rkit.contract.config import Config
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, filesystem
 from rkit.run import preflight
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import Progress
-from rkit.run.ranklogs import OUT_OF_MEMORY, LogScan, last_error_lines, rank_error
+from rkit.run.ranklogs import OUT_OF_MEMORY, PEER_FAILED, LogScan, last_error_lines, rank_error
 from rkit.run.stragglers import StragglerWatch
 from rkit.run.watchdog import HangPolicy, HangWatch
 from rkit.runtime.telemetry.metrics import MetricsTail
@@ -37,6 +38,8 @@ class Watcher(Protocol):
     @property
     def processes(self) -> int: ...
 
+# The failed ranks' logs read for the culprit of a failed attempt (the first of them in the order noticed).
+CULPRIT_LOGS = 64
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
 FULL_BYTES = 1 << 20
 
@@ -150,6 +153,25 @@ class AttemptWatch:
         if oom is None and said is not None and OUT_OF_MEMORY.search(said):
             oom = "its log says so"
         return said, oom
+
+    def culprit(self, failed: list[RankExit]) -> tuple[RankExit, str | None, str | None]:
+        """Of the ranks that failed (in the order noticed), the one whose failure explains the others', with its
+        own words and how it ran out of memory (`failure`). A rank whose collective broke because a peer went away
+        (ranklogs.PEER_FAILED) is the culprit only when no other is: under load srun may report the peer's abort
+        before the failing rank's own exit, or end the failing rank itself (--kill-on-bad-exit) before its exit
+        is seen. At most `CULPRIT_LOGS` logs are read, on a shared file system, once per failed attempt."""
+        ranked: dict[int, tuple[RankExit, str | None, str | None]] = {}
+        for rank_exit in failed[:CULPRIT_LOGS]:
+            said, oom = self.failure(rank_exit.rank, rank_exit.returncode)
+            if oom is not None or (said is not None and not PEER_FAILED.search(said)):
+                return rank_exit, said, oom  # its own words: the culprit
+            # Else, best first: a rank that died silently of its own (a SIGKILL from outside), one whose peer went
+            # away, one the launcher ended with nothing said.
+            order = 2 if said is not None else (3 if rank_exit.ended_by_launcher else 1)
+            ranked.setdefault(order, (rank_exit, said, oom))
+        if ranked:
+            return ranked[min(ranked)]
+        return failed[0], *self.failure(failed[0].rank, failed[0].returncode)
 
     def jax_peer_lost(self, force: bool) -> str | None:
         """A rank's log line saying JAX's coordination service declared a process dead."""

@@ -7,6 +7,7 @@ The supervisor (supervisor.py) applies it; `rkit status` reads its states.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from rkit.contract.events import EV
 if TYPE_CHECKING:
     from rkit.backends.base import RankExit
     from rkit.run.watchdog import Hang
+
+NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
 class RunState(enum.Enum):
@@ -93,6 +96,7 @@ class Outcome:
     code: int | None = None
     step: int | None = None
     nodes: tuple[str, ...] = ()
+    error: str | None = None  # the failing rank's own words (ranklogs.rank_error)
 
     @property
     def progressed(self) -> bool:
@@ -105,6 +109,10 @@ class Outcome:
         launcher could not start are events of the cluster, not of the job: they have none and never make a crash
         loop."""
         step = "?" if self.step is None else str(self.step)
+        if self.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL) and self.error:
+            # The rank's own words, with their numbers (addresses, ports, times) left out, rather than its exit
+            # code: srun may end the failing rank before its own exit is seen (--kill-on-bad-exit).
+            return f"rank_failed rank={self.rank} step={step} error={NUMBERS.sub('#', self.error)}"
         if self.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL):
             return f"{self.cause.value} rank={self.rank} code={self.code} step={step}"
         if self.cause is Cause.HANG:
@@ -159,7 +167,7 @@ def _repeat(tally: Tally, outcome: Outcome) -> Tally:
 
 
 def _crash_loop(tally: Tally, outcome: Outcome, budgets: Budgets) -> Decision | None:
-    """The same failure (same cause, rank, exit code or signal, step) `crash_loop_limit` times in a row is a crash
+    """The same failure (Outcome.signature) `crash_loop_limit` times in a row is a crash
     loop, whether or not a checkpoint was committed in between (an async save may land during any attempt)."""
     if tally.repeats < budgets.crash_loop_limit:
         return None
@@ -260,8 +268,9 @@ class Observation:
     hang: Hang | None = None
     disk_full: str | None = None  # a rank's log line saying a write failed for space, with the file system
     restore_failed: str | None = None  # before the first step of a resumed attempt: the rank's restore errors
-    rank_error: str | None = None  # the first failed rank's own last error line (its log)
-    out_of_memory: str | None = None  # the first failed rank ran out of memory: where and how it was seen
+    culprit: int | None = None  # the failed rank whose failure explains the others' (AttemptWatch.culprit)
+    rank_error: str | None = None  # the culprit's own last error line (its log)
+    out_of_memory: str | None = None  # the culprit ran out of memory: where and how it was seen
     port_in_use: str | None = None  # before the first step: rank 0's log says the coordinator could not listen
     resumed_from: int | None = None
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
@@ -348,7 +357,7 @@ def classify(obs: Observation) -> Ending | None:
         return Ending(Cause.STEP_FAILED, f"the job step could not start its ranks{on}: {obs.launch_failed}",
                       Stop.NOW, step=obs.step, nodes=lost, exclude=lost)
     if failed:
-        first = failed[0]
+        first = next((e for e in failed if e.rank == obs.culprit), failed[0])
         last = obs.last_steps.get(first.rank)
         if obs.failed_nodes:
             lost = tuple(obs.failed_nodes)
@@ -360,8 +369,12 @@ def classify(obs: Observation) -> Ending | None:
             return Ending(Cause.OUT_OF_MEMORY, f"out of memory: rank {first.rank} {first.describe()} "
                                                f"{_after(last)}: {obs.out_of_memory}", Stop.NOW, rank=first.rank,
                           code=first.returncode, step=last, error=obs.rank_error)
-        cause = Cause.TASK_SIGNAL if first.returncode < 0 else Cause.TASK_EXIT
-        return Ending(cause, f"rank {first.rank} {first.describe()} {_after(last)}{said}", Stop.NOW,
+        cause = Cause.TASK_SIGNAL if first.returncode < 0 and not first.ended_by_launcher else Cause.TASK_EXIT
+        how = first.describe()
+        before = next((e for e in failed if e is not first and not e.ended_by_launcher), None)
+        if first.ended_by_launcher and before is not None:  # its own exit lost: srun ended it (AttemptWatch.culprit)
+            how = f"failed (the launcher ended it with {first.signal_name} once rank {before.rank} {before.describe()})"
+        return Ending(cause, f"rank {first.rank} {how} {_after(last)}{said}", Stop.NOW,
                       rank=first.rank, code=first.returncode, step=last, error=obs.rank_error)
     if len(obs.exits) >= obs.processes:
         if obs.final_committed:

@@ -266,7 +266,7 @@ class Supervisor:
                      "exits": {str(r): e.as_record() for r, e in sorted(handle.exits.items())}})
         write_json_atomic(self.run.attempt_record(attempt), info)
         return Outcome(ending.cause, committed_before, committed_after, ending.detail, requeue=requeue,
-                       rank=ending.rank, code=ending.code, step=ending.step, nodes=ending.nodes)
+                       rank=ending.rank, code=ending.code, step=ending.step, nodes=ending.nodes, error=ending.error)
 
     def _watch(self, handle: Handle, attempt: int, watch: AttemptWatch, nodes: list[str],
                sigterm_at: Injection | None) -> Ending:
@@ -313,12 +313,11 @@ class Supervisor:
 
     def _observe(self, handle: Handle, watch: AttemptWatch, exits: dict[int, RankExit],
                  sigterm_at: Injection | None, dead: dict[str, str]) -> Observation:
-        first = next((e for e in exits.values() if e.returncode != 0), None)
-        failed = first is not None
-        said, oom = None, None
+        failures = [e for e in exits.values() if e.returncode != 0]
+        failed, culprit, said, oom = bool(failures), None, None, None
         if failed:
             watch.read()  # a failed rank's last lines may have landed after this round's read
-            said, oom = watch.failure(first.rank, first.returncode)
+            culprit, said, oom = watch.culprit(failures)
             oom = handle.out_of_memory or oom  # Slurm's cgroup saw it on the rank's node
         step = watch.progress.step
         hang = None if failed else watch.hang.check(self.clock())
@@ -333,7 +332,7 @@ class Supervisor:
                             and step >= sigterm_at.step else None),
             hang=hang, disk_full=watch.disk_full(force=failed or hang is not None),
             restore_failed=watch.restore_failed(force=failed or hang is not None), resumed_from=watch.resumed_from,
-            rank_error=said, out_of_memory=oom,
+            culprit=culprit.rank if culprit else None, rank_error=said, out_of_memory=oom,
             port_in_use=watch.port_in_use(force=failed),
             stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
             final_step=self.config.trainer.final_step,
@@ -353,6 +352,7 @@ class Supervisor:
                           node=first.node if first and first.node else
                           (ending.nodes[0] if first is None and ending.nodes else nodes[0]),
                           lost_nodes=list(ending.nodes), **({"error": ending.error} if ending.error else {}),
+                          **({"ended_by_launcher": True} if first and first.ended_by_launcher else {}),
                           **detected)
             handle.failed_nodes.extend(n for n in ending.nodes if n not in handle.failed_nodes)
         if ending.stop is Stop.NOW:

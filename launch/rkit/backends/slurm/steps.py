@@ -20,6 +20,7 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
 
 SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+SRUN_TERMINATING = re.compile(r"srun: (?:Terminating|Force Terminated) (?:StepId|job step)")
 SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")
 # srun could not start the step's tasks: Slurm refused the step, or a node did not take its tasks.
 SRUN_LAUNCH_FAILED = re.compile(r"srun: error: (?:Unable to create step for job \S+: .+|Task launch for StepId=\S+ "
@@ -98,14 +99,18 @@ class StepHandle(Handle):
     def _classify(self, part: StepPart, code: int) -> dict[int, RankExit]:
         text = part.log.read_text(encoding="utf-8", errors="replace") if part.log.exists() else ""
         exits: dict[int, RankExit] = {}
-        for node, tasks, what in SRUN_TASK_EXIT.findall(text):
+        ending = SRUN_TERMINATING.search(text)  # srun ending the step: the tasks named after it were its to end
+        for task in SRUN_TASK_EXIT.finditer(text):
+            node, tasks, what = task.groups()
             for rank in (part.first_rank + t for t in _ranks(tasks)):
                 m = re.search(r"exit code (\d+)", what)
                 sig = re.search(r"Killed|Terminated|[Ss]egmentation|Aborted|signal (\d+)|Out Of Memory", what)
                 if m:
                     exits.setdefault(rank, RankExit(rank, int(m.group(1)), node))
                 elif sig:
-                    exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node))
+                    by_srun = ending is not None and task.start() > ending.start() and sig.group(0) in (
+                        "Killed", "Terminated")
+                    exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node, ended_by_launcher=by_srun))
         if self.out_of_memory is None and (oom := SRUN_OOM.search(text)):
             self.out_of_memory = f"Slurm said: {oom.group(0).strip()[:300]}"
         for match in SRUN_NODE_FAIL.finditer(text):
@@ -117,7 +122,10 @@ class StepHandle(Handle):
         # Ranks srun did not name: 0 when the step succeeded, srun's own code when nothing was named,
         # else killed because a peer failed (--kill-on-bad-exit).
         for rank in range(part.first_rank, part.first_rank + part.tasks):
-            exits.setdefault(rank, RankExit(rank, 0 if code == 0 else (code if not exits else -signal.SIGKILL)))
+            if code == 0 or not exits:
+                exits.setdefault(rank, RankExit(rank, code))
+            else:
+                exits.setdefault(rank, RankExit(rank, -signal.SIGKILL, ended_by_launcher=True))
         return exits
 
     def _launch_failure(self, text: str, exits: dict[int, RankExit]) -> str | None:
