@@ -209,6 +209,15 @@ class NodeLiveness:
         self.listener.close()
 
 
+def detection(liveness: NodeLiveness | None, nodes: tuple[str, ...], now: float, *, by_rkit: bool, launcher: str,
+              jax: str | None) -> dict[str, object]:
+    """A node failure's attempt.failed fields: who saw it first (rkit's heartbeats and probe, or the launcher:
+    Slurm through srun), how long after the node's last heartbeat, and JAX's word where a rank's log had it."""
+    heard = [t for n in nodes if liveness is not None and (t := liveness.last_heard(n)) is not None]
+    after = {"detect_seconds": round(now - min(heard), 3)} if heard else {}
+    return {"detected_by": "rkit" if by_rkit else launcher, **after, **({"jax_saw_it": jax} if jax else {})}
+
+
 def _discard(probe: Probe) -> None:
     if probe.proc.poll() is None:
         probe.proc.kill()

@@ -25,6 +25,7 @@ from rkit.run import cadence, elastic, preflight
 from rkit.run.attempt import attempt_request
 from rkit.run.attemptrecord import close_record, lost_attempt, refuse_if_alive, started_at
 from rkit.run.attemptwatch import AttemptWatch
+from rkit.run.liveness import detection
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import (
     FINAL_EVENTS,
@@ -344,7 +345,9 @@ class Supervisor:
         if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL, Cause.STEP_FAILED,
                             Cause.OUT_OF_MEMORY):
             first = handle.exits.get(ending.rank) if ending.rank is not None else None
-            detected = self._detection(ending, observed)
+            detected = {} if ending.cause is not Cause.NODE_FAIL else detection(
+                self.backend.liveness, ending.nodes, self.clock(), by_rkit=bool(observed.dead_nodes),
+                launcher="slurm" if self.backend.name == "slurm" else "the launcher", jax=observed.jax_peer_lost)
             self.run.emit(EV.ATTEMPT_FAILED, attempt=attempt, cls=ending.cause.value, rank=ending.rank,
                           exit_code=first.returncode if first and first.returncode >= 0 else None,
                           signal=first.signal_name if first else ("SIGTERM" if ending.nodes else None),
@@ -371,18 +374,6 @@ class Supervisor:
                           attempt=attempt, spec=sigterm_at.spec)
             return self._request_save(handle, attempt, ending.step, reason="injected")
         return None
-
-    def _detection(self, ending: Ending, observed: Observation) -> dict[str, object]:
-        """Who saw a node failure first (rkit's heartbeats and probe, or Slurm through srun), how long after the
-        node's last heartbeat, where it sent any, and JAX's word where a rank's log had it by then."""
-        if ending.cause is not Cause.NODE_FAIL:
-            return {}
-        liveness = self.backend.liveness
-        heard = [t for n in ending.nodes if liveness is not None and (t := liveness.last_heard(n)) is not None]
-        after = {"detect_seconds": round(self.clock() - min(heard), 3)} if heard else {}
-        jax = {"jax_saw_it": observed.jax_peer_lost} if observed.jax_peer_lost else {}
-        seen_by = "slurm" if self.backend.name == "slurm" else "the launcher"
-        return {"detected_by": "rkit" if observed.dead_nodes else seen_by, **after, **jax}
 
     def _end_hung_attempt(self, handle: Handle, attempt: int, ending: Ending, observed: Observation,
                           nodes: list[str]) -> None:
