@@ -139,6 +139,8 @@ class FakeBackend:
                 handle.exits[rank] = RankExit(rank, code[0], "n1")
             elif rank == 0 and (raced := self.script.at("peerrace", handle.attempt, step)):
                 peer_race(self.run, handle, step, raced[0])
+            elif rank == 0 and self.script.at("peeronly", handle.attempt, step):
+                peer_race(self.run, handle, step, (handle.attempt,), silent=True)
             elif rank == 1 and (said := self.script.at("raise", handle.attempt, step)):
                 log = self.run.rank_log(handle.attempt, 1)  # the rank's own traceback, then exit 1
                 log.parent.mkdir(parents=True, exist_ok=True)
@@ -219,11 +221,12 @@ PEER_WORDS = ("jax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: [gloo
               "error [127.0.0.1]:{port}: Connection reset by peer")
 
 
-def peer_race(run: RunDir, handle: FakeHandle, step: int, raced: tuple[int, ...]) -> None:
+def peer_race(run: RunDir, handle: FakeHandle, step: int, raced: tuple[int, ...], silent: bool = False) -> None:
     """Rank 0 exits 3 by itself; rank 1 aborts (134) when its Gloo pair breaks. In a `raced` attempt srun hears
     rank 1's abort first and ends rank 0 itself (SIGTERM, its exit code lost), as under load on the test bed; in
-    the others rank 0's own exit is first and srun kills rank 1."""
-    for rank, said in ((0, OWN_WORDS.format(step=step + 1)),
+    the others rank 0's own exit is first and srun kills rank 1. `silent`: rank 0 says nothing and srun's kill of
+    it is a SIGKILL (a task it did not name)."""
+    for rank, said in ((0, "" if silent else OWN_WORDS.format(step=step + 1)),
                        (1, "Traceback (most recent call last):\n  File \"train.py\", line 9\n"
                            + PEER_WORDS.format(port=57000 + handle.attempt))):
         log = run.rank_log(handle.attempt, rank)
@@ -231,7 +234,7 @@ def peer_race(run: RunDir, handle: FakeHandle, step: int, raced: tuple[int, ...]
         log.write_text(f"I1203 completed step: {step}\n{said}\n")
     if handle.attempt in raced:
         handle.exits[1] = RankExit(1, 134, "n2")
-        handle.exits[0] = RankExit(0, -signal.SIGTERM, "n1", ended_by_launcher=True)
+        handle.exits[0] = RankExit(0, -(signal.SIGKILL if silent else signal.SIGTERM), "n1", ended_by_launcher=True)
     else:
         handle.exits[0] = RankExit(0, 3, "n1")
         handle.exits[1] = RankExit(1, -signal.SIGKILL, "n2", ended_by_launcher=True)
@@ -507,6 +510,16 @@ def test_a_crash_loop_is_seen_whichever_of_two_failing_ranks_srun_names_first(tm
     last = ("rank 0 failed (the launcher ended it with SIGTERM once rank 1 exited with code 134) after step 6"
             if 2 in raced else "rank 0 exited with code 3 after step 6")
     assert f"{last}: {OWN_WORDS.format(step=7)}" in gave_up
+
+
+def test_a_sigkill_the_launcher_sent_is_not_read_as_the_oom_killers(tmp_path, monkeypatch):
+    # The OOM killer acted in the cgroup this attempt (say, in another job's task), and srun SIGKILLed rank 0 once
+    # rank 1 aborted: rank 0 did not run out of memory, and rank 1's words are the only ones there are.
+    monkeypatch.setattr("rkit.run.oomkills.OomWatch.killed", lambda self: "the kernel's OOM killer killed 1")
+    sup, _ = make(tmp_path, Script(peeronly=(1, 6)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.TASK_EXIT and outcome.rank == 1 and outcome.code == 134
+    assert outcome.detail == f"rank 1 exited with code 134 after step 5: {PEER_WORDS.format(port=57001)}"
 
 
 def test_run_to_end_records_a_lost_attempt_first(tmp_path, monkeypatch):

@@ -145,11 +145,12 @@ class AttemptWatch:
         lines = last_error_lines(log) or [line]
         return f"{log.name}: " + " | ".join(lines)
 
-    def failure(self, rank: int, returncode: int) -> tuple[str | None, str | None]:
+    def failure(self, rank_exit: RankExit) -> tuple[str | None, str | None]:
         """A failed rank's own last error line, and whether (and how it was seen that) it ran out of memory: the
-        OOM killer in its cgroup since the attempt began (a SIGKILL), or its own words (MemoryError, XLA's)."""
-        said = rank_error(self.sup.run.rank_log(self.attempt, rank))
-        oom = self.oom.killed() if returncode == -9 else None
+        OOM killer in its cgroup since the attempt began (a SIGKILL not the launcher's), or its own words
+        (MemoryError, XLA's)."""
+        said = rank_error(self.sup.run.rank_log(self.attempt, rank_exit.rank))
+        oom = self.oom.killed() if rank_exit.returncode == -9 and not rank_exit.ended_by_launcher else None
         if oom is None and said is not None and OUT_OF_MEMORY.search(said):
             oom = "its log says so"
         return said, oom
@@ -162,16 +163,14 @@ class AttemptWatch:
         is seen. At most `CULPRIT_LOGS` logs are read, on a shared file system, once per failed attempt."""
         ranked: dict[int, tuple[RankExit, str | None, str | None]] = {}
         for rank_exit in failed[:CULPRIT_LOGS]:
-            said, oom = self.failure(rank_exit.rank, rank_exit.returncode)
+            said, oom = self.failure(rank_exit)
             if oom is not None or (said is not None and not PEER_FAILED.search(said)):
                 return rank_exit, said, oom  # its own words: the culprit
             # Else, best first: a rank that died silently of its own (a SIGKILL from outside), one whose peer went
             # away, one the launcher ended with nothing said.
             order = 2 if said is not None else (3 if rank_exit.ended_by_launcher else 1)
             ranked.setdefault(order, (rank_exit, said, oom))
-        if ranked:
-            return ranked[min(ranked)]
-        return failed[0], *self.failure(failed[0].rank, failed[0].returncode)
+        return ranked[min(ranked)]  # `failed` is never empty: the supervisor asks once a rank failed
 
     def jax_peer_lost(self, force: bool) -> str | None:
         """A rank's log line saying JAX's coordination service declared a process dead."""
