@@ -302,6 +302,17 @@ def test_rank_exit(tmp_path):
     assert backend.stops == [0]  # the peers are stopped at once, not left in a collective
 
 
+def test_a_failed_ranks_last_step_is_read_when_it_fails_between_two_scans(tmp_path, monkeypatch):
+    # The metrics files are scanned at most once a poll; the poll that sees the exit came within one of the last
+    # scan (CI, stop 36: "after step 13" in one attempt, "after step 14" in the next, and the crash loop a turn
+    # late). Here the scans are 60 s apart and the polls do not sleep: only a forced read sees step 6.
+    monkeypatch.setattr("rkit.run.supervisor.time.sleep", lambda seconds: None)
+    sup, _ = make(tmp_path, Script(exit=(1, 6, 3)))
+    sup.poll_seconds = 60
+    outcome = attempt(sup)
+    assert outcome.detail == "rank 0 exited with code 3 after step 6" and outcome.step == 6
+
+
 def test_rank_signal(tmp_path):
     sup, backend = make(tmp_path, Script(kill=(1, 5)))
     outcome = attempt(sup)

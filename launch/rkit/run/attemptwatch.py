@@ -182,10 +182,11 @@ class AttemptWatch:
         hit = None if self.first_step_seen else self.logs.port_in_use(force)
         return None if hit is None else f"{hit[1].name}: {hit[0]}"
 
-    def read(self) -> None:
+    def read(self, force: bool = False) -> None:
+        """The metrics files at most every `scan_every` (a poll, longer with many ranks), or now (`force`)."""
         sup, progress = self.sup, self.progress
         now = time.monotonic()
-        scan = now >= self.next_scan
+        scan = force or now >= self.next_scan
         if scan:
             self.next_scan = now + self.scan_every
         for rank, tail in self.tails.items() if scan else ():

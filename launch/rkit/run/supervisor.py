@@ -317,7 +317,7 @@ class Supervisor:
         failures = [e for e in exits.values() if e.returncode != 0]
         failed, culprit, said, oom = bool(failures), None, None, None
         if failed:
-            watch.read()  # a failed rank's last lines may have landed after this round's read
+            watch.read(force=True)  # a failed rank's last lines may have landed after this round's read
             culprit, said, oom = watch.culprit(failures)
             oom = handle.out_of_memory or oom  # Slurm's cgroup saw it on the rank's node
         step = watch.progress.step
