@@ -48,6 +48,7 @@ class EV:
     AGENT_ENV_DROPPED = "agent.env_dropped"  # M_<KEY> variables removed before MaxText read them (names only)
     EXPORTER_INSECURE = "exporter.insecure"  # a node's exporter serves plain HTTP beyond loopback (insecure: true)
     CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
+    CHECKPOINT_NOTE = "checkpoint.note"  # a step holds an item of a kind rkit does not check (not corruption)
     CHECKPOINT_RESTORED = "checkpoint.restored"  # rank 0 with a local tier: the step, its tier, any newer one lost
     CHECKPOINT_PERIOD = "checkpoint.period"  # period auto or a time: an attempt's period, interval, why
     AGENT_DEVICES = "agent.devices"  # a rank's share of its node's GPUs: local rank, visibility variables

@@ -67,6 +67,8 @@ class Cause(enum.Enum):
     PORT_IN_USE = "port_in_use"      # jax.distributed's coordinator could not listen: the next attempt gets another
     OUT_OF_MEMORY = "out_of_memory"  # a rank ran out of memory (the OOM killer in its cgroup, or its own words):
                                      # the same config would again; not retried
+    CHECK_SUSPECT = "check_suspect"  # every committed step failed rkit's integrity check the same way: the check is
+                                     # suspect, not the saves; nothing quarantined, nothing started
     STEP_FAILED = "step_failed"      # the launcher could not start the ranks (Slurm refused the step, a node did
                                      # not take its tasks, the step ended before any rank's agent began)
 
@@ -191,6 +193,11 @@ def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bo
                                         "same way: give the job more memory (a larger cap, slurm --mem) and continue "
                                         "with `rkit run RECIPE --resume`, or start a new run (-o name=NEW) with a "
                                         "smaller trainer.overrides.per_device_batch_size"), tally
+    if outcome.cause is Cause.CHECK_SUSPECT:
+        return Decision(Action.GIVE_UP, f"{outcome.detail}. rkit suspects its own check, not every save of the run: "
+                                        "nothing was quarantined and no attempt started (one would start over from "
+                                        "scratch). Report it with the step's files listed; to train on, move the "
+                                        "steps aside yourself and continue with `rkit run RECIPE --resume`"), tally
     if outcome.cause is Cause.DISK_FULL:
         return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt would fail the same way: free space "
                                         "(or raise the quota), then continue with `rkit run RECIPE --resume`"), tally

@@ -195,8 +195,10 @@ class Supervisor:
         attempt_dir.mkdir(parents=True, exist_ok=False)
         sized = self._resize(attempt)
         self.period = self._choose_period(attempt)
-        self._check_checkpoints()
+        suspect = self._check_checkpoints()
         committed_before = maxtext.latest_committed_step(self.run)
+        if suspect is not None:
+            return Outcome(Cause.CHECK_SUSPECT, committed_before, committed_before, suspect)
         # Earlier attempts' summaries of the steps this one trains again are dropped by TensorBoard (tbmarks.py).
         restart_step = 0 if committed_before is None else committed_before + 1
         tb_note = mark_restart(self.run.tensorboard_dir, restart_step)
@@ -397,13 +399,16 @@ class Supervisor:
         self.backend.request_save(handle)
         return self.clock() + self._grace
 
-    def _check_checkpoints(self) -> None:
+    def _check_checkpoints(self) -> str | None:
         """Before every attempt: a step directory MaxText would see but could not restore from is moved aside, so
-        the attempt resumes from the previous good step (rkit's idea of committed and MaxText's agree)."""
-        for step, path in sorted(maxtext.step_dirs(self.run).items(), reverse=True):
-            problem = maxtext.step_problem(path)
-            if problem is not None:
-                self._quarantine(step, problem)
+        the attempt resumes from the previous good step (rkit's idea of committed and MaxText's agree). When every
+        committed step fails the same check, the check is suspect: nothing is moved and the reason is returned."""
+        found = maxtext.triage(maxtext.step_dirs(self.run))
+        for step, notes in sorted(found.notes.items()):
+            self.run.emit(EV.CHECKPOINT_NOTE, step=step, notes=list(notes))
+        for step, problem in sorted(found.quarantine.items(), reverse=True):
+            self._quarantine(step, problem)
+        return found.suspect
 
     def _quarantine(self, step: int, reason: str) -> None:
         target = maxtext.quarantine(self.run, step)

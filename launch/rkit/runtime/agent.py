@@ -30,6 +30,7 @@ from rkit.runtime.inject import FIRED_EVENT, Injection
 from rkit.runtime.telemetry import metrics
 from rkit.runtime.telemetry.metrics import MetricsTail
 from rkit.runtime.telemetry.node import node_name, start_node_services
+from rkit.runtime.trainers.maxtext import set_assets_root
 
 if TYPE_CHECKING:
     from rkit.runtime.trainers.localtier import LocalTier
@@ -320,6 +321,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
         sys.stderr.write(f"rkit: ignored {', '.join(dropped)}: MaxText would read them as settings outside the "
                          "recipe; put them in trainer.overrides\n")
         ctx.run.emit(EV.AGENT_ENV_DROPPED, attempt=ctx.attempt, rank=ctx.rank, names=dropped)
+    set_assets_root(os.environ)  # before MaxText is imported: its bare tokenizer names resolve there
     bind_devices(ctx, os.environ)  # before JAX starts a backend: it reads the visibility variables once
     # Health sampler, exporter and heartbeat (local rank 0 of a node only); before jax.distributed's set-up, so
     # that a node lost while its peers wait there is seen too.

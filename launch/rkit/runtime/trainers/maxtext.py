@@ -18,10 +18,12 @@ from rkit.contract.stamp import REDACTED, is_secret_name, redact_value
 from rkit.runtime.trainers import localtier
 from rkit.runtime.trainers.orbaxdirs import (  # noqa: F401 - readers reach them through this module
     TMP_MARKER,
+    check_step,
     committed_in,
     local_step_problem,
     step_dirs_in,
     step_problem,
+    triage,
 )
 
 if TYPE_CHECKING:
@@ -150,6 +152,20 @@ def resolve_base_config(name: str) -> str:
             return str(candidate)
     raise RkitError(f"trainer.base_config: {name!r} is neither a file nor a config shipped with MaxText "
                     f"(looked in {', '.join(spec.submodule_search_locations)}/configs).")
+
+
+def set_assets_root(environ: dict[str, str] | os._Environ) -> str | None:
+    """MaxText finds a bare tokenizer name (`tokenizer_path: tokenizer.default`) under MAXTEXT_ASSETS_ROOT, which
+    it derives from a source checkout's layout (src/maxtext/assets): an installed MaxText has its assets beside
+    its modules. Set before MaxText is imported, unless the environment names its own."""
+    if environ.get("MAXTEXT_ASSETS_ROOT"):
+        return None
+    spec = importlib.util.find_spec("maxtext")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(location) / "assets" / "tokenizers").is_dir():
+            environ["MAXTEXT_ASSETS_ROOT"] = str(Path(location) / "assets")
+            return environ["MAXTEXT_ASSETS_ROOT"]
+    return None
 
 
 def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
