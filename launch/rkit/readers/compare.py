@@ -68,6 +68,19 @@ def compare_loss(a: dict[str, Any], b: dict[str, Any], tolerance: float) -> dict
             "checksums": [a.get("sha256"), b.get("sha256")]}
 
 
+def compare_data(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The tokens each step consumed (outcome "data": a fingerprint per step over all processes), on the steps
+    both runs recorded: EXACT, or the first step whose batch differs. None when either run has none."""
+    if not a or not b:
+        return None
+    fa, fb = a.get("per_step") or {}, b.get("per_step") or {}
+    common = sorted({int(s) for s in fa} & {int(s) for s in fb})
+    differ = [s for s in common if fa[str(s)] != fb[str(s)]]
+    first = None if not differ else {"step": differ[0], "a": fa[str(differ[0])], "b": fb[str(differ[0])]}
+    return {"agree": bool(common) and not differ, "steps_compared": len(common), "exact": len(common) - len(differ),
+            "differ": len(differ), "first_difference": first}
+
+
 def _span(steps: list[int]) -> dict[str, int] | None:
     return {"count": len(steps), "first": steps[0], "last": steps[-1]} if steps else None
 
@@ -145,11 +158,13 @@ def compare(a: dict[str, Any], b: dict[str, Any], limits: Limits = Limits(), *, 
     """Outcome B against outcome A. `loss_counts=False` (rkit bench, when the two sides' training math differs):
     the loss is shown but does not decide the verdict."""
     loss = {**compare_loss(a["loss"], b["loss"], limits.loss_tolerance), "counts_in_verdict": loss_counts}
+    data = compare_data(a.get("data"), b.get("data"))
     perf = [compare_metric(name, a, b, limits) for name in METRICS]
     info = {key: [_scalar(a.get(key)), _scalar(b.get(key))] for key in INFORMATIVE}
     worse = [m["metric"] for m in perf if m.get("worse")]
-    return {"a": a.get("run"), "b": b.get("run"), "agree": (loss["agree"] or not loss_counts) and not worse,
-            "loss": loss,
+    same_data = data is None or data["agree"] or not loss_counts
+    return {"a": a.get("run"), "b": b.get("run"), "agree": (loss["agree"] or not loss_counts) and not worse
+            and same_data, "loss": loss, "data": data,
             "performance": perf, "worse": worse, "informative": info, "threshold": limits.threshold,
             "method": METHOD, "states": [a.get("state"), b.get("state")],
             "config_hashes": [a.get("config_hash"), b.get("config_hash")],
@@ -212,6 +227,16 @@ def render(result: dict[str, Any]) -> str:
         if loss[f"only_in_{side}"]:
             s = loss[f"only_in_{side}"]
             out.append(f"  only in {side.upper()}: {s['count']} steps ({s['first']}-{s['last']})")
+    data = result.get("data")
+    if data is None:
+        out.append("same data: not recorded for both runs (a batch fingerprint per step needs a host-side loader: "
+                   "Grain, TFDS, HF)")
+    elif data["differ"] == 0:
+        out.append(f"same data: EXACT over {data['steps_compared']} steps")
+    else:
+        first = data["first_difference"]
+        out.append(f"same data: DIFFERENT at {data['differ']} of {data['steps_compared']} steps; first at step "
+                   f"{first['step']} (A {first['a']} B {first['b']})")
     out.append(f"performance (B/A, {result['method']}; threshold {result['threshold']:.0%}):")
     for m in result["performance"]:
         if m["ratio"] is None:
@@ -229,6 +254,8 @@ def render(result: dict[str, Any]) -> str:
     why = []
     if not loss["agree"] and loss["counts_in_verdict"]:
         why.append("the loss differs")
+    if data is not None and data["differ"] and loss["counts_in_verdict"]:
+        why.append("the data differs")
     if result["worse"]:
         why.append("worse: " + ", ".join(result["worse"]))
     out.append("verdict: the same outcome" if result["agree"] else "verdict: DIFFERENT (" + "; ".join(why) + ")")

@@ -4,6 +4,7 @@ frame of `rkit status --watch`, and the small formatting helpers the text views 
 from __future__ import annotations
 
 import datetime
+import json
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,7 +55,37 @@ def resumed_from(a: dict[str, Any]) -> str:
     if a.get("restored_tier"):
         lost = f"; step {a['lost_step']} was lost" if a.get("lost_step") else ""
         return f"step {a.get('restored_step')} ({a['restored_tier']} tier{lost})"
-    return "from scratch" if a.get("resume_from_step") is None else f"step {a['resume_from_step']}"
+    if a.get("resume_from_step") is None:
+        return "from scratch"
+    data = data_position_text(a.get("data_position"))
+    return f"step {a['resume_from_step']}" + (f", {data}" if data else "")
+
+
+def data_position_text(position: Any) -> str | None:
+    """Grain's saved position per process (attempt.started data_position) in a few words: its next_index where
+    Grain keeps one, else the position's JSON cut short."""
+    if not isinstance(position, dict) or not position:
+        return None
+
+    def short(value: Any) -> str:
+        found = _find_key(value, "next_index")
+        return f"next_index {found}" if found is not None else json.dumps(value, sort_keys=True)[:60]
+
+    texts = {str(p): short(v) for p, v in sorted(position.items(), key=lambda kv: str(kv[0]))}
+    if len(set(texts.values())) == 1:
+        return f"data at {next(iter(texts.values()))} on each of {len(texts)} process(es)"
+    return "data at " + "; ".join(f"process {p}: {t}" for p, t in list(texts.items())[:4]) + (
+        f"; {len(texts) - 4} more" if len(texts) > 4 else "")
+
+
+def _find_key(value: Any, key: str, depth: int = 0) -> Any:
+    if isinstance(value, dict) and depth < 8:
+        if isinstance(value.get(key), int):
+            return value[key]
+        for inner in value.values():
+            if (found := _find_key(inner, key, depth + 1)) is not None:
+                return found
+    return None
 
 
 def steps_text(steps: Any) -> str:

@@ -6,6 +6,7 @@ each step), the events, and Orbax's own save timings in the rank logs.
 
     {"version", "run", "state", "config_hash", "image_sha256",
      "loss": {"per_step": {"<step>": loss}, "sha256", "first_step", "last_step", "count", "final"},
+     "data": {"per_step": {"<step>": fingerprint}, "count"} (a host-side loader's runs: Grain, TFDS, HF),
      "step_time" / "tokens_per_sec_per_device" / "host_rss_bytes": {"samples", "n", "median", "p10", "p90"},
      "warmup_steps_excluded", "mfu_median", "device_memory_peak_bytes", "host_rss_peak_bytes",
      "time_to_first_step_seconds", "checkpoint_save_seconds": {"median", "n"},
@@ -115,6 +116,7 @@ def compute(run: RunDir, events: list[dict] | None = None, config: Config | None
     whole, blocking = save_seconds([run.rank_log(n, 0) for n in run.attempt_numbers()])
     period = goodput.checkpoint_period(run.config() if config is None else config, events)
     good = goodput.compute(events, goodput.run_lines(run, events, rank0), checkpoint_period=period).as_dict()
+    data = metrics.step_fingerprints([rank0, *(metrics.lines(run, r) for r in metrics.ranks(run) if r != 0)])
     return {
         "version": VERSION,
         "run": run.name,
@@ -125,6 +127,7 @@ def compute(run: RunDir, events: list[dict] | None = None, config: Config | None
                  "sha256": loss_checksum(ordered) if ordered else None,
                  "first_step": min(losses) if losses else None, "last_step": max(losses) if losses else None,
                  "count": len(losses), "final": ordered[-1] if ordered else None},
+        "data": {"per_step": {str(s): fp for s, fp in data.items()}, "count": len(data)} if data else None,
         "warmup_steps_excluded": WARMUP_STEPS,
         "step_time": summary(steady_state(rank0, "step_time")),
         "tokens_per_sec_per_device": summary(steady_state(rank0, "tokens_per_sec_per_device")),
@@ -180,6 +183,11 @@ def shape_problem(record: dict[str, Any]) -> str | None:
     for step, loss in per_step.items():
         if not (step.isdigit() and len(step) < 19) or not _number(loss, nan=True) or abs(loss) > FLOAT32_MAX:
             return f"loss.per_step has {step!r}: {loss!r}, not a step and its loss"
+    data = record.get("data")
+    if data is not None and not (isinstance(data, dict) and isinstance(data.get("per_step"), dict) and all(
+            isinstance(s, str) and s.isdigit() and len(s) < 19 and isinstance(f, str) and len(f) == 16
+            and all(c in metrics.HEX for c in f) for s, f in data["per_step"].items())):
+        return "data.per_step is not a mapping of step to a 16-digit fingerprint"
     for key in ("step_time", "tokens_per_sec_per_device", "host_rss_bytes", "device_memory_peak_bytes"):
         metric = record.get(key)
         if metric is None:

@@ -61,7 +61,7 @@ class StatusFold(goodput_events.Fold):
             if kind == EV.ATTEMPT_STARTED:
                 self.period = e.get("checkpoint_period") or self.period
                 row.update(started=e["t"], resume_from_step=e.get("resume_from_step"), nodes=e.get("nodes"),
-                           processes=e.get("processes"),
+                           processes=e.get("processes"), data_position=e.get("data_position"),
                            gradient_accumulation_steps=e.get("gradient_accumulation_steps"))
             elif kind == EV.ATTEMPT_FIRST_STEP:
                 row["first_step_seconds"] = e.get("seconds_since_start")

@@ -1,6 +1,7 @@
 """What the supervisor checks before it starts an attempt, and the cheap check before it reads a rank's metrics:
 each a stop with a diagnosis (a `run.gave_up` event naming what and where, then RkitError: exit 2), never a
-failed attempt that spends a budget."""
+failed attempt that spends a budget; and the run directory's checkpoints, sorted before each attempt (those MaxText
+could not restore moved aside)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import JsonlTail, RunDir, write_json_atomic
 from rkit.images.identity import ImageIdentity
 from rkit.runtime import devices
+from rkit.runtime.trainers import maxtext
 
 
 def shared_paths(run: RunDir, backend: Backend, image: ImageIdentity | None, attempt: int) -> None:
@@ -100,3 +102,22 @@ def grew(tail: JsonlTail) -> bool:
         return tail.offset != 0
 
 
+
+
+def checkpoints(run: RunDir) -> str | None:
+    """Before every attempt: a step directory MaxText would see but could not restore from is moved aside, so the
+    attempt resumes from the previous good step (rkit's idea of committed and MaxText's agree); an item of a kind
+    rkit does not check is a `checkpoint.note`. When every committed step fails the same check, the check is
+    suspect: nothing is moved, and the reason is returned (the attempt ends check_suspect, the run stops)."""
+    found = maxtext.triage(maxtext.step_dirs(run))
+    for step, notes in sorted(found.notes.items()):
+        run.emit(EV.CHECKPOINT_NOTE, step=step, notes=list(notes))
+    for step, problem in sorted(found.quarantine.items(), reverse=True):
+        quarantine(run, step, problem)
+    return found.suspect
+
+
+def quarantine(run: RunDir, step: int, reason: str) -> None:
+    target = maxtext.quarantine(run, step)
+    if target is not None:
+        run.emit(EV.CHECKPOINT_QUARANTINED, step=step, reason=reason, moved_to=str(target.relative_to(run.path)))

@@ -195,7 +195,7 @@ class Supervisor:
         attempt_dir.mkdir(parents=True, exist_ok=False)
         sized = self._resize(attempt)
         self.period = self._choose_period(attempt)
-        suspect = self._check_checkpoints()
+        suspect = preflight.checkpoints(self.run)
         committed_before = maxtext.latest_committed_step(self.run)
         if suspect is not None:
             return Outcome(Cause.CHECK_SUSPECT, committed_before, committed_before, suspect)
@@ -242,7 +242,8 @@ class Supervisor:
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                           nodes=info["nodes"], processes=self.processes, injections=info["injections"],
                           gradient_accumulation_steps=self.shape.gradient_accumulation_steps,
-                          checkpoint_period=self.period,
+                          checkpoint_period=self.period, data_position=maxtext.data_position(
+                              None if committed_before is None else self.run.orbax_dir / str(committed_before)),
                           **({"tensorboard": tb_note} if tb_note else {}))
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
                                  oom=OomWatch.of(list(info["pids"].values())))
@@ -253,7 +254,7 @@ class Supervisor:
             self.backend.stop(handle, grace=0)
             raise
         if ending.cause is Cause.CORRUPT_CHECKPOINT and committed_before is not None:
-            self._quarantine(committed_before, ending.detail)
+            preflight.quarantine(self.run, committed_before, ending.detail)
         committed_after = maxtext.latest_committed_step(self.run)
         too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
         requeue = ending.requeue or too_few
@@ -398,23 +399,6 @@ class Supervisor:
                       grace_seconds=self._grace, reason=reason, **fields)
         self.backend.request_save(handle)
         return self.clock() + self._grace
-
-    def _check_checkpoints(self) -> str | None:
-        """Before every attempt: a step directory MaxText would see but could not restore from is moved aside, so
-        the attempt resumes from the previous good step (rkit's idea of committed and MaxText's agree). When every
-        committed step fails the same check, the check is suspect: nothing is moved and the reason is returned."""
-        found = maxtext.triage(maxtext.step_dirs(self.run))
-        for step, notes in sorted(found.notes.items()):
-            self.run.emit(EV.CHECKPOINT_NOTE, step=step, notes=list(notes))
-        for step, problem in sorted(found.quarantine.items(), reverse=True):
-            self._quarantine(step, problem)
-        return found.suspect
-
-    def _quarantine(self, step: int, reason: str) -> None:
-        target = maxtext.quarantine(self.run, step)
-        if target is not None:
-            self.run.emit(EV.CHECKPOINT_QUARANTINED, step=step, reason=reason,
-                          moved_to=str(target.relative_to(self.run.path)))
 
     def _exclude(self, nodes: list[str], reason: str = "implicated in a node failure") -> bool:
         """Keep failed nodes out of the next step; True when too few healthy nodes are left (requeue)."""

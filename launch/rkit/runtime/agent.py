@@ -214,13 +214,22 @@ class MetricsPump:
         self.node = node_name()
         self.fd = open_for_writing(ctx.run.metrics_file(ctx.rank))
         self._lock = threading.Lock()
+        self.batches: dict[int, tuple[str, int]] = {}  # step -> its batch's fingerprint (the loop's thread adds)
+
+    def batch(self, step: int, fingerprint: tuple[str, int] | None) -> None:
+        """The training loop's hook (trainers.maxtext.hook_the_train_loop): before MaxText writes the step's line."""
+        if fingerprint is not None:
+            self.batches[step] = fingerprint
 
     def drain(self) -> None:
         with self._lock:
             for raw in self.tail.poll_raw():
+                step = raw.get("step")  # MaxText writes it as a float
+                step = int(step) if isinstance(step, (int, float)) and float(step).is_integer() else None
                 line = metrics.enrich(raw, t=time.time(), attempt=self.ctx.attempt, rank=self.ctx.rank,
                                       node=self.node, peak=self.sampler.peak,
-                                      device_memory=self.sampler.device_memory(), host_rss=self.sampler.host_rss())
+                                      device_memory=self.sampler.device_memory(), host_rss=self.sampler.host_rss(),
+                                      data=self.batches.pop(step, None) if step is not None else None)
                 if line is not None:
                     os.write(self.fd, (json.dumps(line, sort_keys=True) + "\n").encode())
 
@@ -353,7 +362,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
                  import_seconds=round(time.monotonic() - began, 3), distributed_seconds=round(distributed, 3))
 
     tier = local_tier(ctx)
-    hook_the_train_loop(Injector(ctx, pump, tier).at_step)
+    hook_the_train_loop(Injector(ctx, pump, tier).at_step, pump.batch)
     route_tensorboard(ctx.run)
     def after_set_up(config: object) -> None:
         if ctx.rank == 0 and config is not None:  # the attempt's mesh and batch, once per attempt

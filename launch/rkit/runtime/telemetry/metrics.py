@@ -4,7 +4,14 @@ The agent reads MaxText's own metrics_file (attempts/<n>/maxtext/<rank>.jsonl) a
 one rkit line per step to metrics/<rank>.jsonl, in one write each (a crash loses at most that line):
 
     {"t", "attempt", "rank", "node", "step", "loss", "step_time", "tokens_per_sec_per_device",
-     "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes"}
+     "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes",
+     "data_fingerprint", "data_rows"}
+
+`data_fingerprint` (with data read through MaxText's host-side loader: Grain, TFDS, HF) says which tokens the
+step consumed on this process: the sum, modulo 2**64, of an 8-byte BLAKE2b of each sequence's token ids (the
+batch's `inputs` rows), as 16 hex digits; `data_rows` counts the sequences. A sum does not depend on which process
+read which sequence, so the step's fingerprint over all processes (`step_fingerprints`) is the same on 2
+processes or 1: a resumed or resized run that consumed the same tokens at the same step says so.
 
 Files are appended attempt after attempt; the merged view keeps one line per step, the newest attempt's, and
 marks steps trained more than once. Readers also accept MaxText's raw lines (runs from before this format).
@@ -26,7 +33,9 @@ MAXTEXT_KEYS = {"learning/loss": "loss", "perf/step_time_seconds": "step_time",
                 "perf/per_device_tokens_per_sec": "tokens_per_sec_per_device",
                 "perf/per_device_tflops": "tflops_per_device"}
 FIELDS = ("t", "attempt", "rank", "node", "step", "loss", "step_time", "tokens_per_sec_per_device",
-          "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes")
+          "tflops_per_device", "mfu", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes",
+          "data_fingerprint", "data_rows")
+FINGERPRINT_MOD = 1 << 64
 
 # Dense bf16 peak TFLOP/s per device, for MFU (vendor data sheets). An unknown device gets no MFU rather than
 # a guess.
@@ -54,7 +63,7 @@ class StepMetrics:
     node: str | None = None
 
 
-INT_FIELDS = ("attempt", "rank", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes")
+INT_FIELDS = ("attempt", "rank", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes", "data_rows")
 
 
 def normalize(value: dict) -> dict[str, Any] | None:
@@ -76,6 +85,8 @@ def normalize(value: dict) -> dict[str, Any] | None:
             continue
         if key == "node":
             line[key] = v if isinstance(v, str) else None
+        elif key == "data_fingerprint":
+            line[key] = v if isinstance(v, str) and len(v) == 16 and all(c in HEX for c in v) else None
         elif key in INT_FIELDS:
             line[key] = v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 62 else None
         elif not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -89,16 +100,55 @@ def normalize(value: dict) -> dict[str, Any] | None:
 
 
 def enrich(raw: dict, *, t: float, attempt: int, rank: int, node: str, peak: float | None,
-           device_memory: tuple[int | None, int | None], host_rss: int | None) -> dict[str, Any] | None:
-    """The rkit line for one MaxText metrics line (None when the line is not a step's)."""
+           device_memory: tuple[int | None, int | None], host_rss: int | None,
+           data: tuple[str, int] | None = None) -> dict[str, Any] | None:
+    """The rkit line for one MaxText metrics line (None when the line is not a step's); `data`: the step's batch
+    fingerprint and sequence count on this process (`batch_fingerprint`)."""
     line = normalize(raw)
     if line is None:
         return None
     tflops = line.get("tflops_per_device")
     line.update(t=round(t, 3), attempt=attempt, rank=rank, node=node, host_rss_bytes=host_rss,
                 device_memory_bytes=device_memory[0], device_memory_peak_bytes=device_memory[1],
-                mfu=round(tflops / peak, 6) if peak and isinstance(tflops, (int, float)) else None)
+                mfu=round(tflops / peak, 6) if peak and isinstance(tflops, (int, float)) else None,
+                data_fingerprint=data[0] if data else None, data_rows=data[1] if data else None)
     return line
+
+
+HEX = frozenset("0123456789abcdef")
+
+
+def batch_fingerprint(inputs: Any) -> tuple[str, int]:
+    """A process's batch (its `inputs`, token ids, one row per sequence, on the host) as (fingerprint, rows):
+    the sum of each row's 8-byte BLAKE2b modulo 2**64. Host memory only: nothing is read back from a device."""
+    import hashlib
+
+    import numpy as np
+
+    rows = np.ascontiguousarray(inputs).reshape(len(inputs), -1) if len(inputs) else np.zeros((0, 0), np.int32)
+    total = 0
+    for row in rows:
+        total += int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little")
+    return f"{total % FINGERPRINT_MOD:016x}", len(rows)
+
+
+def step_fingerprints(per_rank: list[list[dict[str, Any]]]) -> dict[int, str]:
+    """Each step's fingerprint over all processes (every rank's lines, normalized, in file order): the sum of
+    the fingerprints of the newest attempt that trained it; a step with a rank of that attempt without a
+    fingerprint has none."""
+    newest: dict[int, int] = {}
+    parts: dict[tuple[int, int], dict[int, str | None]] = {}
+    for lines_of_rank in per_rank:
+        for line in lines_of_rank:
+            step, attempt = line["step"], line.get("attempt") or 0
+            newest[step] = max(newest.get(step, attempt), attempt)
+            parts.setdefault((step, attempt), {})[line.get("rank") or 0] = line.get("data_fingerprint")
+    out = {}
+    for step, attempt in sorted(newest.items()):
+        found = parts[(step, attempt)].values()
+        if found and all(found):
+            out[step] = f"{sum(int(f, 16) for f in found) % FINGERPRINT_MOD:016x}"
+    return out
 
 
 def from_line(value: dict) -> StepMetrics | None:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir
 from rkit.contract.stamp import REDACTED, is_secret_name, redact_value
+from rkit.runtime.telemetry.metrics import batch_fingerprint
 from rkit.runtime.trainers import localtier
 from rkit.runtime.trainers.orbaxdirs import (  # noqa: F401 - readers reach them through this module
     TMP_MARKER,
     check_step,
     committed_in,
+    data_position,
     local_step_problem,
     step_dirs_in,
     step_problem,
@@ -168,8 +170,13 @@ def set_assets_root(environ: dict[str, str] | os._Environ) -> str | None:
     return None
 
 
-def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
-    """In the training environment, before MaxText's train.main. Two hooks on the loop's per-step calls:
+def hook_the_train_loop(on_step: Callable[[int], None],
+                        on_batch: Callable[[int, tuple[str, int] | None], None] | None = None) -> None:
+    """In the training environment, before MaxText's train.main. Three hooks on the loop's per-step calls:
+
+    - `on_batch(step, fingerprint)`: the training batch the step consumed on this process, fingerprinted
+      (telemetry.metrics.batch_fingerprint) from the host copy MaxText's multi-host loader keeps of it (Grain,
+      TFDS, HF: `last_local_data`); None where there is none (synthetic data is made on the device).
 
     - `on_step(step)` runs in the loop's own thread once each training step is dispatched, its save (if due)
       started and its metrics buffered: fault injections fire there, at exactly their step (fired from a
@@ -178,13 +185,22 @@ def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
       before that step's metrics are buffered, so the step the save ends on had no metrics line. The raise is
       deferred until the step's train metrics are buffered; MaxText's final flush then writes them (an eval
       due at that step still runs first)."""
-    from maxtext.common import checkpointing, metric_logger
+    from maxtext.common import checkpointing, data_loader, metric_logger
     from maxtext.utils import exceptions
 
     if getattr(checkpointing.maybe_save_checkpoint, "rkit_hooked", False):
         return
     pending: list[BaseException] = []
+    loaded: list[tuple[str, int] | None] = [None]
     save, buffer = checkpointing.maybe_save_checkpoint, metric_logger.MetricLogger.buffer_and_write_metrics
+    load = data_loader.DataLoader.load_next_batch_pre_sharding
+
+    def load_next_batch_pre_sharding(self):
+        batch = load(self)
+        local = getattr(getattr(self, "data_iterator", None), "last_local_data", None)
+        inputs = local.get("inputs") if isinstance(local, dict) else None
+        loaded[0] = None if inputs is None else batch_fingerprint(inputs)
+        return batch
 
     def maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step=None):
         try:
@@ -199,6 +215,8 @@ def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
         buffer(self, metrics, step, step_time_delta, is_training)
         if not is_training:
             return
+        if on_batch is not None:
+            on_batch(int(step), loaded[0])
         on_step(int(step))
         if pending:
             raise pending.pop()
@@ -206,6 +224,7 @@ def hook_the_train_loop(on_step: Callable[[int], None]) -> None:
     maybe_save_checkpoint.rkit_hooked = True  # type: ignore[attr-defined]
     checkpointing.maybe_save_checkpoint = maybe_save_checkpoint
     metric_logger.MetricLogger.buffer_and_write_metrics = buffer_and_write_metrics
+    data_loader.DataLoader.load_next_batch_pre_sharding = load_next_batch_pre_sharding
 
 
 def route_tensorboard(run: RunDir) -> None:

@@ -163,6 +163,26 @@ def _read_json(path: Path, limit: int = 64 << 20) -> object:
         return None
 
 
+POSITION_BYTES = 512  # a larger position (a mixture's) is recorded by its size only
+
+
+def data_position(step_dir: Path | None) -> dict[str, object] | None:
+    """Where the data resumes with this step: Grain's saved position of each process (its iterator item, as Grain
+    wrote it; a large one as its size), for attempt.started and rkit status; None when the step saved none."""
+    if step_dir is None:
+        return None
+    meta = _read_json(step_dir / "_CHECKPOINT_METADATA")
+    handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
+    names = [item for item, kind in (handlers or {}).items()
+             if str(kind).rpartition(".")[2] in ITERATOR_HANDLERS] if isinstance(handlers, dict) else []
+    files = iterator_files(step_dir / (names[0] if names else "iter"))
+    out: dict[str, object] = {}
+    for index, (_, file) in sorted(files.items())[:1024]:
+        size = file.stat().st_size if file.is_file() else 0
+        out[str(index)] = _read_json(file) if size <= POSITION_BYTES else {"bytes": size}
+    return out or None
+
+
 @dataclass(frozen=True)
 class Triage:
     """The step directories of a checkpoint directory sorted before an attempt: those to move aside (step ->
