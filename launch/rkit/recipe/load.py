@@ -29,6 +29,7 @@ from rkit.contract.stamp import (  # noqa: F401 - the hash helpers are reached t
     is_secret_name,
     redact_value,
 )
+from rkit.recipe import datacheck
 from rkit.recipe.yaml_text import (  # noqa: F401 - parse_override_value: tests use it from here
     PATH_CHARS_WHY,
     apply_overrides,
@@ -173,6 +174,8 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                         "the value itself."))
     problems.extend(_elastic_problems(data))
     problems.extend(_local_tier_problems(data))
+    if not problems and (typed := _typed(data)) is not None:  # the data's files, read only for a sound recipe
+        problems.extend(datacheck.problems(typed, str(data.get("launcher"))))
     ckpt = data.get("checkpoint")
     period = ckpt.get("period") if isinstance(ckpt, dict) else None
     if isinstance(period, str) and re.fullmatch(r"0+(\.0+)?[smh]", period):

@@ -1,0 +1,150 @@
+"""Real data on the real stack (issue 37): text records made by the tests (python -m rkit.recipe.sampledata), read
+through MaxText's own Grain pipeline and tokenized by its shipped sentencepiece tokenizer (recipes/tiny-grain.yaml).
+Every fault resumes from the last committed step with Grain's data position, never from scratch: each test asserts
+the step and the position it resumed from, and that the loss and each step's batch fingerprint equal the
+uninterrupted run's (with Grain data, rkit used to quarantine every good step and start over).
+
+One clean run for the data set (grain_baseline), shared; the faults a run can take one after another (a kill, a
+hang, a preemption) are one run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rkit.contract.rundir import RunDir
+from rkit.recipe import sampledata
+from rkit.runtime.telemetry.metrics import lines, merged
+
+from ..conftest import REPO, require_maxtext, rkit
+
+pytestmark = [pytest.mark.maxtext, pytest.mark.slow]
+
+GRAIN = REPO / "recipes" / "tiny-grain.yaml"
+SHORT = ["-o", "trainer.steps=30", "-o", "checkpoint.period=10"]
+
+
+@pytest.fixture(scope="session")
+def data_workspace(tmp_path_factory) -> Path:
+    """A workspace with spaces and quotes in its path, and the data set in it."""
+    require_maxtext()
+    path = tmp_path_factory.mktemp("data") / "it's real data"
+    sampledata.make(path / "data" / "tiny-text")
+    return path
+
+
+def files(workspace: Path, kind: str = "array_record") -> list[str]:
+    return ["-o", f"trainer.overrides.grain_train_files={workspace / 'data' / 'tiny-text'}/train-*.{kind}"]
+
+
+def run_grain(workspace: Path, name: str, *extra: str, expect: int = 0) -> RunDir:
+    done = rkit("run", str(GRAIN), "-o", f"name={name}", *SHORT, *files(workspace), *extra, cwd=workspace,
+                check=expect)
+    assert "Traceback" not in done.stderr
+    return RunDir(workspace / "runs" / name)
+
+
+def events(run: RunDir, kind: str) -> list[dict]:
+    return [e for e in run.events() if e["event"] == kind]
+
+
+def positions(run: RunDir) -> list[dict | None]:
+    """Each attempt's data position as attempt.started says it: Grain's saved state of each process."""
+    return [e.get("data_position") for e in events(run, "attempt.started")]
+
+
+def saved(run: RunDir, step: int) -> dict:
+    """Grain's position of each process as the step saved it (its iter item)."""
+    iterator = run.orbax_dir / str(step) / "iter"
+    return {p.name.split("-")[0].removeprefix("process_"): json.loads(p.read_text())
+            for p in iterator.glob("process_*.json")}
+
+
+def same_outcome(baseline: RunDir, run: RunDir) -> str:
+    """rkit compare of the two: every loss and every step's batch fingerprint EXACT (the text a user reads)."""
+    done = rkit("compare", str(baseline.path), str(run.path), check=0)
+    assert "30 steps compared, 30 EXACT" in done.stdout, done.stdout
+    assert "same data: EXACT over 30 steps" in done.stdout, done.stdout
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def grain_baseline(data_workspace: Path) -> RunDir:
+    return run_grain(data_workspace, "grain-baseline")
+
+
+def test_a_clean_run_on_real_data_records_each_steps_batch(grain_baseline: RunDir):
+    outcome = grain_baseline.load_outcome()
+    assert outcome["state"] == "finished" and outcome["loss"]["count"] == 30
+    data = outcome["data"]["per_step"]
+    assert sorted(map(int, data)) == list(range(30)) and len(set(data.values())) == 30  # 30 different batches
+    for rank in (0, 1):
+        view = merged(grain_baseline, rank)
+        assert all(line["data_rows"] == 1 and len(line["data_fingerprint"]) == 16 for line in view.values())
+    # The tokenizer is MaxText's shipped sentencepiece model: the first loss is about ln(32000) = 10.4.
+    assert 9.5 < outcome["loss"]["per_step"]["0"] < 11.5
+    steps = sorted(int(p.name) for p in grain_baseline.orbax_dir.iterdir() if p.name.isdigit())
+    assert steps == [0, 10, 20, 29]
+    for step in steps:  # Grain's position of each process beside the train state: step + 1 batches consumed
+        assert sorted(p.name for p in (grain_baseline.orbax_dir / str(step) / "iter").glob("*.json")) == [
+            "process_0-of-2.json", "process_1-of-2.json"]
+        assert [s["counter"] for _, s in sorted(saved(grain_baseline, step).items())] == [step + 1, step + 1]
+    assert not events(grain_baseline, "checkpoint.quarantined")
+
+
+def test_a_kill_a_hang_and_a_preemption_each_resume_with_the_data_position(data_workspace: Path,
+                                                                            grain_baseline: RunDir):
+    # Rank 1 killed at step 13 (resumes from 10), rank 0 stopped at 24 (found after the 10 s timeout, resumes
+    # from 20), then a preemption at 27 (every rank saves, the next attempt resumes from that save).
+    run = run_grain(data_workspace, "grain-faults", "-o", "resilience.hang_timeout=10",
+                    "--inject", "kill:rank=1,step=13", "--inject", "hang:rank=0,step=24",
+                    "--inject", "sigterm:step=27")
+    ended = [e["cause"] for e in events(run, "attempt.ended")]
+    assert ended == ["task_signal", "hang", "preempted", "completed"]
+    starts = [e["resume_from_step"] for e in events(run, "attempt.started")]
+    assert starts[:3] == [None, 10, 20] and starts[3] >= 27
+    assert positions(run) == [None, *(saved(grain_baseline if s < 27 else run, s) for s in starts[1:])]
+    assert not events(run, "checkpoint.quarantined")
+    same_outcome(grain_baseline, run)
+    status = rkit("status", str(run.path), check=0).stdout
+    assert "#2  resumed from step 10, data at next_index 11 on each of 2 process(es): hang" in status, status
+
+
+def test_a_cut_data_position_is_quarantined_and_the_step_before_restored(data_workspace: Path, grain_baseline: RunDir):
+    # The run stops at step 25 (no restart allowed) with 0, 10 and 20 committed; step 20's position of process 1
+    # is then cut, as a crash mid-write would leave it. Saves are synchronous: the exit must not race a save.
+    budget = ["-o", "resilience.max_restarts=0", "-o", "checkpoint.async=false"]
+    run = run_grain(data_workspace, "grain-cut", *budget, "--inject", "exit:rank=0,step=25,code=3", expect=1)
+    position = run.orbax_dir / "20" / "iter" / "process_1-of-2.json"
+    position.write_text(position.read_text()[:9])
+    rkit("run", str(GRAIN), "-o", "name=grain-cut", *SHORT, *files(data_workspace), *budget, "--resume",
+         cwd=data_workspace, check=0)
+    quarantined = events(run, "checkpoint.quarantined")
+    assert [(q["step"], q["reason"]) for q in quarantined] == [
+        (20, "iter/process_1-of-2.json is not readable JSON (emptied or cut)")]
+    assert [e["resume_from_step"] for e in events(run, "attempt.started")] == [None, 10]
+    assert positions(run)[1] == saved(grain_baseline, 10)
+    same_outcome(grain_baseline, run)
+
+
+def test_tfrecord_data_resumes_where_it_was_and_recomputed_steps_see_the_same_batches(data_workspace: Path):
+    # MaxText's other file type with Grain: TFRecord, read sequentially (files interleaved). No second clean run:
+    # the steps attempt 2 trains again (11-13) must consume the batches attempt 1 consumed, and lose the same.
+    name = "grain-tfrecord"
+    done = rkit("run", str(GRAIN), "-o", f"name={name}", *SHORT, *files(data_workspace, "tfrecord"),
+                "-o", "trainer.overrides.grain_file_type=tfrecord", "-o", "trainer.overrides.grain_num_threads=1",
+                "--inject", "kill:rank=1,step=14", cwd=data_workspace, check=0)
+    assert "Traceback" not in done.stderr
+    run = RunDir(data_workspace / "runs" / name)
+    assert [e["resume_from_step"] for e in events(run, "attempt.started")] == [None, 10]
+    assert positions(run)[1] is not None  # the sequential reader's position was saved and restored
+    for rank in (0, 1):
+        by_attempt = {a: {line["step"]: line for line in lines(run, rank) if line["attempt"] == a} for a in (1, 2)}
+        again = sorted(set(by_attempt[1]) & set(by_attempt[2]))
+        assert again[:3] == [11, 12, 13], again
+        for step in again:
+            first, second = by_attempt[1][step], by_attempt[2][step]
+            assert (first["data_fingerprint"], first["loss"]) == (second["data_fingerprint"], second["loss"]), step
