@@ -12,7 +12,7 @@ TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
 FLAVOR ?= cpu
 MIRROR ?=
 
-.PHONY: lock-python lock-debian setup setup-dev run test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table docs docs-reference
+.PHONY: lock-python lock-debian setup setup-dev run data test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table docs docs-reference
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-python
@@ -36,6 +36,11 @@ setup-dev: $(VENV)/.stamp-dev
 
 run: setup
 	$(VENV)/bin/rkit run $(RECIPE) $(RUN_ARGS)
+
+# A small text data set for recipes/tiny-grain.yaml (docs/data.md): tf.train.Example records as ArrayRecord and
+# TFRecord in data/tiny-text/, the same bytes on every machine, nothing downloaded.
+data: setup
+	$(PY) -m rkit.recipe.sampledata data/tiny-text
 
 # A real Apptainer (ci/install-apptainer.sh: Debian 12, root). Without root it says why; the image tests then
 # skip on a laptop and fail in CI (CI=true).
@@ -130,3 +135,4 @@ bench: setup
 	$(PY) tests/benchmarks/gate_noise.py --pairs 10 --repeats 2
 	$(PY) tests/benchmarks/checkpoint_cadence.py --steps 9000 --repeats 1
 	$(PY) tests/benchmarks/local_tier.py --crashes 6
+	$(PY) tests/benchmarks/data_fingerprint.py --repeats 200

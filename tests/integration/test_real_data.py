@@ -97,20 +97,23 @@ def test_a_clean_run_on_real_data_records_each_steps_batch(grain_baseline: RunDi
 
 def test_a_kill_a_hang_and_a_preemption_each_resume_with_the_data_position(data_workspace: Path,
                                                                             grain_baseline: RunDir):
-    # Rank 1 killed at step 13 (resumes from 10), rank 0 stopped at 24 (found after the 10 s timeout, resumes
-    # from 20), then a preemption at 27 (every rank saves, the next attempt resumes from that save).
+    # Rank 1 killed at step 13 (resumes from 10), a preemption at 16 (every rank saves at the next sync point, a
+    # step or two later, and the next attempt resumes from that save), rank 0 stopped at 24 (found after the 10 s
+    # timeout, resumes from 20).
     run = run_grain(data_workspace, "grain-faults", "-o", "resilience.hang_timeout=10",
-                    "--inject", "kill:rank=1,step=13", "--inject", "hang:rank=0,step=24",
-                    "--inject", "sigterm:step=27")
+                    "--inject", "kill:rank=1,step=13", "--inject", "sigterm:step=16",
+                    "--inject", "hang:rank=0,step=24")
     ended = [e["cause"] for e in events(run, "attempt.ended")]
-    assert ended == ["task_signal", "hang", "preempted", "completed"]
+    assert ended == ["task_signal", "preempted", "hang", "completed"]
     starts = [e["resume_from_step"] for e in events(run, "attempt.started")]
-    assert starts[:3] == [None, 10, 20] and starts[3] >= 27
-    assert positions(run) == [None, *(saved(grain_baseline if s < 27 else run, s) for s in starts[1:])]
+    # the preemption's save lands when MaxText reaches its next sync point: a few steps after 16 (21 beside a CPU hog)
+    assert starts[:2] == [None, 10] and starts[2] >= 16 and starts[3] == max(20, starts[2]), starts
+    assert positions(run) == [None, *(saved(grain_baseline if s in (10, 20) else run, s) for s in starts[1:])]
+    assert [s["counter"] for _, s in sorted(saved(run, starts[2]).items())] == [starts[2] + 1] * 2
     assert not events(run, "checkpoint.quarantined")
     same_outcome(grain_baseline, run)
     status = rkit("status", str(run.path), check=0).stdout
-    assert "#2  resumed from step 10, data at next_index 11 on each of 2 process(es): hang" in status, status
+    assert "#2  resumed from step 10, data at next_index 11 on each of 2 process(es): preempted" in status, status
 
 
 def test_a_cut_data_position_is_quarantined_and_the_step_before_restored(data_workspace: Path, grain_baseline: RunDir):
@@ -148,3 +151,58 @@ def test_tfrecord_data_resumes_where_it_was_and_recomputed_steps_see_the_same_ba
         for step in again:
             first, second = by_attempt[1][step], by_attempt[2][step]
             assert (first["data_fingerprint"], first["loss"]) == (second["data_fingerprint"], second["loss"]), step
+
+
+def test_the_node_local_tier_restores_the_data_position_with_its_step(data_workspace: Path, grain_baseline: RunDir):
+    # checkpoint.local_dir: each of the two processes is one data-parallel replica; the first saves every 10 steps
+    # to the run directory, the second every 2 to "its node's" storage. MaxText's emergency manager saves no data
+    # iterator: rkit writes each process's Grain position beside each step (checkpoints/data-position/).
+    local = data_workspace.parent / "node-local grain"
+    run = run_grain(data_workspace, "grain-local", "-o", f"checkpoint.local_dir={local}",
+                    "-o", "checkpoint.local_period=2", "-o", "trainer.overrides.ici_data_parallelism=-1",
+                    "-o", "trainer.overrides.ici_fsdp_parallelism=1", "--inject", "kill:rank=1,step=19")
+    [restored] = events(run, "checkpoint.restored")
+    assert restored["tier"] == "local" and 12 <= restored["step"] <= 18, restored
+    assert restored["data_position"] == "restored"
+    resumed = events(run, "attempt.started")[1]
+    assert 10 < resumed["resume_from_step"] <= restored["step"]
+    position = resumed["data_position"]
+    assert [p["counter"] for _, p in sorted(position.items())] == [resumed["resume_from_step"] + 1] * 2
+    same_outcome(grain_baseline, run)
+    kept = sorted(int(p.name) for p in (run.checkpoints / "data-position").iterdir())
+    persistent = sorted(int(p.name) for p in run.orbax_dir.iterdir() if p.name.isdigit())
+    assert all(step in persistent or step >= 24 for step in kept), (kept, persistent)  # the rest pruned
+
+
+# Grain's elastic iterator (one global position, any process count): what elastic shrink needs with grain data.
+ELASTIC = ["-o", "trainer.overrides.grain_use_elastic_iterator=true", "-o", "trainer.overrides.packing=false",
+           "-o", "resources.nodes=2", "-o", "resources.processes_per_node=1", "-o", "resources.min_nodes=1"]
+# As test_tiny_maxtext's: the same global batch on half the devices with twice the accumulation sums the gradients
+# in another order.
+SHRINK_TOLERANCE = 0.005
+
+
+def test_a_shrink_and_a_grow_back_consume_the_same_tokens_at_every_step(data_workspace: Path):
+    # The uninterrupted run on two (virtual) nodes; then the same recipe loses node 1 for good at step 12 (no spare:
+    # attempt 2 trains on one process, twice the accumulation, from step 10), its rank fails at 23 with no restart
+    # left, and `--resume` grows it back to two processes from step 20.
+    clean = run_grain(data_workspace, "grain-elastic", *ELASTIC)
+    budget = ["-o", "resilience.max_restarts=0"]
+    run = run_grain(data_workspace, "grain-shrink", *ELASTIC, *budget, "--inject", "lose_node:rank=1,step=12",
+                    "--inject", "exit:rank=0,step=23,code=3", expect=1)
+    rkit("run", str(GRAIN), "-o", "name=grain-shrink", *SHORT, *files(data_workspace), *ELASTIC, *budget,
+         "--resume", cwd=data_workspace, check=0)
+    started = events(run, "attempt.started")
+    assert [(e["resume_from_step"], e["processes"]) for e in started] == [(None, 2), (10, 1), (20, 2)]
+    assert [e["gradient_accumulation_steps"] for e in started] == [1, 2, 1]
+    # one global position (Grain's elastic iterator: process_0.json), the same whatever the process count
+    assert [sorted(e["data_position"]) for e in started[1:]] == [["0"], ["0"]]
+    assert started[1]["data_position"] == saved_elastic(clean, 10)
+    done = rkit("compare", "--threshold", "10", "--loss-tolerance", str(SHRINK_TOLERANCE), str(clean.path),
+                str(run.path), check=0)
+    assert "same data: EXACT over 30 steps" in done.stdout, done.stdout
+    assert "DIFFER" not in done.stdout, done.stdout
+
+
+def saved_elastic(run: RunDir, step: int) -> dict:
+    return {"0": json.loads((run.orbax_dir / str(step) / "iter" / "process_0.json").read_text())}

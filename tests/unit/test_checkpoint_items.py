@@ -58,6 +58,16 @@ def test_grains_iterator_is_checked_by_its_own_format(tmp_path):
     assert step_problem(step) == "iter holds no process_<i>-of-<n>.json (Grain's data position)"
 
 
+def test_the_elastic_iterators_one_position_is_whole(tmp_path):
+    step = maxtext_step(tmp_path, 20)
+    for file in (step / "iter").glob("process_*"):
+        file.unlink()
+    (step / "iter" / "process_0.json").write_text('{"global_next_index": 42}')  # grain_use_elastic_iterator
+    assert step_problem(step) is None
+    (step / "iter" / "process_0.json").write_text("")
+    assert step_problem(step) == "iter/process_0.json is not readable JSON (emptied or cut)"
+
+
 def test_a_json_item_is_checked_as_json_and_an_unknown_kind_is_a_note_not_corruption(tmp_path):
     step = maxtext_step(tmp_path, 20, handlers={"items": PYTREE, "iter": GRAIN, "metrics": "JsonCheckpointHandler",
                                                 "blob": "acme.handlers.MysteryHandler"})

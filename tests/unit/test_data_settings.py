@@ -169,3 +169,21 @@ def test_compare_says_same_data_or_names_the_first_step_whose_batch_differs():
     assert unknown["agree"] and "same data: not recorded for both runs" in compare.render(unknown)
     assert outcome.shape_problem(record({0: "nothex-nothex-no"})) == (
         "data.per_step is not a mapping of step to a 16-digit fingerprint")
+
+
+def test_a_shrink_with_grain_needs_its_elastic_iterator_and_no_packing(data):
+    shrink = ["launcher=local", "resources.nodes=2", "resources.processes_per_node=1", "resources.min_nodes=1",
+              with_files(data)]
+    found = problems(*shrink)
+    assert [f.split(":")[0] for f in found] == ["trainer.overrides.grain_use_elastic_iterator",
+                                                 "trainer.overrides.packing"]
+    assert "per-process iterators cannot be restored on fewer processes" in found[0]
+    elastic = [*shrink, "trainer.overrides.grain_use_elastic_iterator=true", "trainer.overrides.packing=false"]
+    assert problems(*elastic) == []
+    found = problems(*elastic, with_files(data, "tfrecord"), "trainer.overrides.grain_file_type=tfrecord")
+    assert [f.split(":")[0] for f in found] == ["trainer.overrides.grain_file_type"]
+
+
+def test_the_node_local_tier_takes_grain_data(data):
+    assert problems(with_files(data), "checkpoint.local_dir=/tmp/rkit-local",
+                    "trainer.overrides.ici_data_parallelism=-1", "trainer.overrides.ici_fsdp_parallelism=1") == []

@@ -305,11 +305,6 @@ def _local_tier_config_problems(config: Config) -> list[Problem]:
                 found.append(Problem(f"{where}{key}", "-1 (auto) beside ici_data_parallelism -1: MaxText allows "
                                                       "one auto axis; give it a fixed size (1 for fsdp keeps each "
                                                       "replica's state whole on its process)."))
-    dataset = elastic.setting(config, "dataset_type")
-    if dataset == "grain":
-        found.append(Problem(f"{where}dataset_type", "'grain': MaxText's emergency checkpointing saves no data "
-                                                     "iterator, so a restore would start grain over; use another "
-                                                     "dataset_type, or remove checkpoint.local_dir."))
     if res.can_shrink:
         found.append(Problem("checkpoint.local_dir", "elastic shrink (resources.min_nodes) changes the processes and "
                                                      "the replicas the local tier is laid out by; remove one of "

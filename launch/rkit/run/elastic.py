@@ -25,10 +25,12 @@ from rkit.contract.errors import Problem
 # base config file on this host sets them.
 MAXTEXT_DEFAULTS: dict[str, Any] = {"per_device_batch_size": 12.0, "gradient_accumulation_steps": 1,
                                     "dataset_type": "synthetic", "ici_fsdp_parallelism": -1,
-                                    "dcn_data_parallelism": -1}
+                                    "dcn_data_parallelism": -1, "grain_use_elastic_iterator": False,
+                                    "packing": True, "grain_file_type": "arrayrecord", "grain_train_files": "",
+                                    "grain_train_mixture_config_path": ""}
 DATA_AXES = ("data", "fsdp", "fsdp_transpose")  # the mesh axes whose size is the data-parallel degree
-# Data pipelines whose position carries over to fewer processes. Synthetic data has none. Grain saves one
-# iterator per process (a smaller attempt cannot restore them), and tfds and hf start their iterators over.
+# Data pipelines whose position carries over to fewer processes. Synthetic data has none; Grain's carries over
+# through its elastic iterator only (grain_order_problems); tfds and hf start their iterators over.
 CARRIED_DATA = ("synthetic",)
 
 
@@ -113,6 +115,36 @@ def size_for(config: Config, healthy: int) -> int | None:
     return next((n for n in sizes(config) if n <= healthy), None)
 
 
+def grain_order_problems(config: Config) -> list[Problem]:
+    """Why a shrunk attempt could not consume the same tokens at the same global step with this Grain pipeline.
+    Grain's per-process iterators belong to their process count; its ElasticIterator (MaxText's
+    grain_use_elastic_iterator) keeps one global position, the next global batch, that restores on any count, and
+    each step's global batch is the same sequences however they are split (ArrayRecord, random access; no
+    packing, which would make a sequence out of several records per process; one pattern, not a mixture)."""
+    where = "trainer.overrides."
+    wants = "set grain_use_elastic_iterator: true and packing: false (ArrayRecord, one file pattern), or remove " \
+            "resources.min_nodes"
+    found = []
+    if setting(config, "grain_use_elastic_iterator") is not True:
+        found.append(Problem(f"{where}grain_use_elastic_iterator", "elastic shrink (resources.min_nodes) with grain "
+                                                                   "data needs Grain's elastic iterator: the "
+                                                                   "per-process iterators cannot be restored on "
+                                                                   f"fewer processes; {wants}."))
+    if setting(config, "packing") is not False:
+        found.append(Problem(f"{where}packing", "packing joins records into sequences per process, so a shrunk "
+                                                "attempt would consume other sequences (and MaxText's elastic "
+                                                f"iterator refuses it); {wants}."))
+    if setting(config, "grain_file_type") != "arrayrecord":
+        found.append(Problem(f"{where}grain_file_type", f"{setting(config, 'grain_file_type')!r}: only ArrayRecord "
+                                                        "(random access) has Grain's elastic iterator; convert the "
+                                                        "data, or remove resources.min_nodes."))
+    if ";" in str(setting(config, "grain_train_files")) or setting(config, "grain_train_mixture_config_path"):
+        found.append(Problem(f"{where}grain_train_files", "a mixture of data sets mixes per process: a shrunk "
+                                                          "attempt would draw other sequences; give one pattern, or "
+                                                          "remove resources.min_nodes."))
+    return found
+
+
 def problems(config: Config) -> list[Problem]:
     """Why this recipe cannot shrink, before anything starts (only asked when min_nodes is below nodes)."""
     res = config.resources
@@ -121,7 +153,9 @@ def problems(config: Config) -> list[Problem]:
     found = []
     where = "trainer.overrides."
     data = setting(config, "dataset_type")
-    if data not in CARRIED_DATA:
+    if data == "grain":
+        found.extend(grain_order_problems(config))
+    elif data not in CARRIED_DATA:
         found.append(Problem(f"{where}dataset_type", f"{data!r}: resources.min_nodes (elastic shrink) supports "
                                                      f"dataset_type {', '.join(CARRIED_DATA)} only; grain saves "
                                                      "one data iterator per process, which a smaller attempt cannot "

@@ -242,8 +242,8 @@ class Supervisor:
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
                           nodes=info["nodes"], processes=self.processes, injections=info["injections"],
                           gradient_accumulation_steps=self.shape.gradient_accumulation_steps,
-                          checkpoint_period=self.period, data_position=maxtext.data_position(
-                              None if committed_before is None else self.run.orbax_dir / str(committed_before)),
+                          checkpoint_period=self.period,
+                          data_position=maxtext.resume_data_position(self.run, committed_before),
                           **({"tensorboard": tb_note} if tb_note else {}))
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
                                  oom=OomWatch.of(list(info["pids"].values())))

@@ -36,6 +36,7 @@ from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.contract.safeio import load_json
+from rkit.runtime.trainers import datapos
 from rkit.runtime.trainers.orbaxdirs import committed_in, local_step_problem, step_dirs_in
 
 if TYPE_CHECKING:
@@ -263,8 +264,9 @@ class LocalTier:
                 gone.append(s)
         return sorted(gone)
 
-    def restored(self, step: int, seconds: float) -> None:
-        """Rank 0's `checkpoint.restored` event. A restore older than the newest step the supervisor counted as
+    def restored(self, step: int, seconds: float, data: str = "none") -> None:
+        """Rank 0's `checkpoint.restored` event (`data`: its data position restored, missing or none). A restore
+        older than the newest step the supervisor counted as
         committed when it started this attempt (attempt.started's resume_from_step: either tier's, the local one
         from the ranks' records) says which step was lost."""
         if self.rank != 0:
@@ -275,7 +277,7 @@ class LocalTier:
         recorded = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
         tier = self.restored_tier or "persistent"
         fields: dict[str, Any] = {"attempt": self.attempt, "rank": self.rank, "step": step, "tier": tier,
-                                  "seconds": round(seconds, 3)}
+                                  "seconds": round(seconds, 3), "data_position": data}
         if recorded is not None and recorded > step:
             fields["lost_step"] = recorded
             fields["reason"] = (f"step {recorded} is gone (a node's local checkpoints were lost or damaged): "
@@ -364,6 +366,12 @@ def hook(tier: LocalTier) -> None:
         return tier.manager
 
     def save(checkpoint_manager, step, state, config, force):
+        # MaxText calls this on every process at a step either tier saves (or a forced, preemption save): each
+        # process's data position first, then the state's save
+        datapos.save(tier.run, int(step), jax.process_index(), jax.process_count())
+        if tier.rank == 0:
+            held = set(committed_in(tier.run.orbax_dir)) | {s for r in records(tier.run) for s in r["steps"]}
+            datapos.prune(tier.run, held)
         return save0(checkpoint_manager, step, jax.tree.map(raw, as_dict(state)), config, force)
 
     def restore(checkpoint_manager, step, abstract):
@@ -393,7 +401,8 @@ def hook(tier: LocalTier) -> None:
         checkpoint_manager.reload()
         checkpoint_manager.all_steps(read=True)  # every process: the step cache should_save reads, refreshed
         tier.observe()
-        tier.restored(int(step), seconds)
+        tier.restored(int(step), seconds, datapos.restore(tier.run, int(step), jax.process_index(),
+                                                          jax.process_count()))
         return jax.tree.map(lambda a, r: jax.random.wrap_key_data(r, impl=a.dtype._impl) if is_key(a) else r,
                             abstract, restored)
 
@@ -408,6 +417,15 @@ def hook(tier: LocalTier) -> None:
         tier.restored_tier = "persistent"
         return from_persistent(self, *args, **kwargs)
 
+    from maxtext.common import checkpointing
+
+    load0 = checkpointing.load_state_if_possible
+
+    def load_state_if_possible(checkpoint_manager, data_iterator, *args, **kwargs):
+        datapos.ITERATOR[0] = data_iterator  # restore() sets its position
+        return load0(checkpoint_manager, data_iterator, *args, **kwargs)
+
+    checkpointing.load_state_if_possible = load_state_if_possible
     create.rkit_hooked = True  # type: ignore[attr-defined]
     ec.create_emergency_checkpoint_manager, ec.save, ec.restore = create, save, restore
     ecm._MultisliceCheckpointManager._restore_from_local = restore_from_local

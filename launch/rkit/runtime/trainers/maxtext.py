@@ -16,13 +16,14 @@ from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir
 from rkit.contract.stamp import REDACTED, is_secret_name, redact_value
 from rkit.runtime.telemetry.metrics import batch_fingerprint
-from rkit.runtime.trainers import localtier
+from rkit.runtime.trainers import datapos, localtier
 from rkit.runtime.trainers.orbaxdirs import (  # noqa: F401 - readers reach them through this module
     TMP_MARKER,
     check_step,
     committed_in,
     data_position,
     local_step_problem,
+    positions_in,
     step_dirs_in,
     step_problem,
     triage,
@@ -119,6 +120,14 @@ def latest_committed_step(run: RunDir) -> int | None:
     return max([*steps[-1:], *([] if local is None else [local])], default=None)
 
 
+def resume_data_position(run: RunDir, step: int | None) -> dict[str, object] | None:
+    """Where the data resumes with `step`: Grain's position per process saved with it, in the step's own `iter`
+    item, or (the node-local tier's runs, whose Orbax steps have none) in rkit's data-position folder."""
+    if step is None:
+        return None
+    return data_position(run.orbax_dir / str(step)) or positions_in(datapos.directory(run) / str(step))
+
+
 def step_dirs(run: RunDir) -> dict[int, Path]:
     """Every step directory MaxText would see in the run directory (committed or not)."""
     return step_dirs_in(run.orbax_dir)
@@ -203,6 +212,7 @@ def hook_the_train_loop(on_step: Callable[[int], None],
         return batch
 
     def maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step=None):
+        datapos.ITERATOR[0] = data_iterator  # the node-local tier's saves write its position (datapos.py)
         try:
             return save(checkpoint_manager, state, config, data_iterator, step)
         except exceptions.StopTraining as exc:

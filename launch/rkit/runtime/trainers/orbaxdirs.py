@@ -40,6 +40,7 @@ PYTREE_HANDLERS = ("PyTreeHandler", "PyTreeCheckpointHandler", "StandardCheckpoi
 ITERATOR_HANDLERS = ("StatefulCheckpointableHandler", "GrainCheckpointHandler")  # Grain's data iterator
 JSON_HANDLERS = ("JsonCheckpointHandler", "JsonHandler")  # a JSON document (MaxText's metadata items)
 ITERATOR_FILE = re.compile(r"process_([0-9]{1,6})-of-([0-9]{1,6})\.json")
+ELASTIC_ITERATOR_FILE = "process_0.json"  # Grain's ElasticIterator: one global position for any process count
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def _pytree_problem(item: str, item_dir: Path, local: bool) -> str | None:
 
 
 def iterator_files(item_dir: Path) -> dict[int, tuple[int, Path]]:
-    """Grain's saved positions in an iterator item: process index -> (process count, file)."""
+    """Grain's saved positions in an iterator item: process index -> (process count, file). The elastic
+    iterator's one position (process_0.json, grain_use_elastic_iterator) reads as process 0 of 1."""
     found = {}
     try:
         entries = list(os.scandir(item_dir))
@@ -125,6 +127,8 @@ def iterator_files(item_dir: Path) -> dict[int, tuple[int, Path]]:
     for entry in entries:
         if (match := ITERATOR_FILE.fullmatch(entry.name)) is not None:
             found[int(match.group(1))] = (int(match.group(2)), Path(entry.path))
+    if not found and (item_dir / ELASTIC_ITERATOR_FILE).exists():
+        found[0] = (1, item_dir / ELASTIC_ITERATOR_FILE)
     return found
 
 
@@ -175,7 +179,13 @@ def data_position(step_dir: Path | None) -> dict[str, object] | None:
     handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
     names = [item for item, kind in (handlers or {}).items()
              if str(kind).rpartition(".")[2] in ITERATOR_HANDLERS] if isinstance(handlers, dict) else []
-    files = iterator_files(step_dir / (names[0] if names else "iter"))
+    return positions_in(step_dir / (names[0] if names else "iter"))
+
+
+def positions_in(folder: Path) -> dict[str, object] | None:
+    """Each process's position in a folder of Grain's position files (an `iter` item, or rkit's data-position
+    folder of a step of the node-local tier's run: runtime/trainers/datapos.py)."""
+    files = iterator_files(folder)
     out: dict[str, object] = {}
     for index, (_, file) in sorted(files.items())[:1024]:
         size = file.stat().st_size if file.is_file() else 0
