@@ -410,3 +410,31 @@ def test_a_node_replaced_with_empty_local_storage_restores_the_run_directorys_st
     first_step = next(e for e in events if e["event"] == "attempt.first_step" and e["attempt"] == 2)
     print(f"local tier on Slurm: {victim} crashed at step 25; restored step {step} from the run directory "
           f"({lost} lost); crash -> first step {first_step['t'] - crashed_at:.1f} s")
+
+
+def test_real_data_in_the_image_resumes_with_its_data_position(cluster, slurm_workspace, cpu_image):
+    # Text records read through MaxText's Grain pipeline inside the cpu image on two nodes (the data on the file
+    # system the nodes share); rank 1 killed at step 25: attempt 2 restores step 20 with each process's Grain
+    # position, and the steps it trains again (21-24) consume the batches attempt 1 consumed, to the same loss.
+    from rkit.recipe import sampledata
+
+    data = slurm_workspace / "text data"
+    sampledata.make(data)
+    grain = ["-o", "trainer.overrides.dataset_type=grain", "-o", "trainer.overrides.grain_worker_count=0",
+             "-o", f"trainer.overrides.grain_train_files={data}/train-*.array_record",
+             "-o", "trainer.overrides.tokenizer_path=tokenizer.default", "-o", "trainer.overrides.vocab_size=32768"]
+    run = submit(cluster, slurm_workspace, "grain", cpu_image, *grain, "--inject", "kill:rank=1,step=25")
+    assert wait_finished(cluster, run)["state"] == "finished"
+    started = [e for e in run.events() if e["event"] == "attempt.started"]
+    assert [e["resume_from_step"] for e in started] == [None, 20]
+    assert sorted(started[1]["data_position"]) == ["0", "1"]
+    assert [p["counter"] for p in started[1]["data_position"].values()] == [21, 21]
+    assert not [e for e in run.events() if e["event"] == "checkpoint.quarantined"]
+    for rank in (0, 1):
+        by_attempt = {a: {line["step"]: line for line in lines(run, rank) if line["attempt"] == a} for a in (1, 2)}
+        again = sorted(set(by_attempt[1]) & set(by_attempt[2]))
+        assert again[:4] == [21, 22, 23, 24], again
+        for step in again:
+            first, second = by_attempt[1][step], by_attempt[2][step]
+            assert first["data_fingerprint"] and (first["data_fingerprint"], first["loss"]) == (
+                second["data_fingerprint"], second["loss"]), step

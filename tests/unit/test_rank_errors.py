@@ -23,6 +23,19 @@ def test_the_last_traceback_gives_the_exception_line(tmp_path):
     assert rank_error(log(tmp_path, text)) == "ValueError: 'learning_rat' not in 'learning_rate', 'steps'."
 
 
+def test_a_finaliser_failing_at_shutdown_does_not_hide_the_ranks_own_error(tmp_path):
+    # as a rank's log ended when MaxText refused a Grain position saved by 2 processes on 1: its loader's __del__
+    # then failed as the interpreter went
+    text = ("Traceback (most recent call last):\n  File \"grain_utility.py\", line 267, in for_restore\n"
+            "AssertionError: 2 processes found in Grain checkpoint directory /r/10/iter, but only 1 jax processes\n"
+            "I1203 21:38:25.566187 6694 service.cc:114] Jax service shutting down\n"
+            "Exception ignored in: <function MultiHostDataLoadIterator.__del__ at 0x7f98374ffa60>\n"
+            "Traceback (most recent call last):\n  File \"multihost_dataloading.py\", line 262, in __del__\n"
+            "ImportError: sys.meta_path is None, Python is likely shutting down\n")
+    assert rank_error(log(tmp_path, text)) == ("AssertionError: 2 processes found in Grain checkpoint directory "
+                                               "/r/10/iter, but only 1 jax processes")
+
+
 def test_a_message_on_several_lines_keeps_its_first_lines(tmp_path):
     text = ("Traceback (most recent call last):\n  File \"pyconfig.py\"\n"
             "pydantic_core._pydantic_core.ValidationError: 1 validation error for MaxTextConfig\n"

@@ -68,8 +68,10 @@ def data_position_text(position: Any) -> str | None:
         return None
 
     def short(value: Any) -> str:
-        found = _find_key(value, "next_index")
-        return f"next_index {found}" if found is not None else json.dumps(value, sort_keys=True)[:60]
+        for key in ("next_index", "global_next_index"):  # Grain's per-process position, its elastic iterator's
+            if (found := _find_key(value, key)) is not None:
+                return f"{key} {found}"
+        return json.dumps(value, sort_keys=True)[:60]
 
     texts = {str(p): short(v) for p, v in sorted(position.items(), key=lambda kv: str(kv[0]))}
     if len(set(texts.values())) == 1:

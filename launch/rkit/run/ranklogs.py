@@ -151,8 +151,10 @@ def rank_error(path: Path, tail_bytes: int = 65536) -> str | None:
         return None
     lines = [line.strip() for line in text.splitlines()]
     found = None
-    traceback_at = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last")),
-                       default=None)
+    # The last traceback, less those Python prints and ignores at shutdown ("Exception ignored in: <... __del__>":
+    # a loader's finaliser failing as the interpreter goes), which follow the rank's real failure.
+    traceback_at = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last")
+                        and not (i and lines[i - 1].startswith("Exception ignored in"))), default=None)
     if traceback_at is not None:
         at = next((i for i in range(traceback_at + 1, len(lines)) if EXCEPTION_LINE.match(lines[i])), None)
         if at is not None:

@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
         mesh_record,
         rank_overrides,
         resolve_base_config,
+        restore_elastic_positions_at_any_count,
         route_tensorboard,
     )
 
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
     tier = local_tier(ctx)
     hook_the_train_loop(Injector(ctx, pump, tier).at_step, pump.batch)
     route_tensorboard(ctx.run)
+    restore_elastic_positions_at_any_count()
     def after_set_up(config: object) -> None:
         if ctx.rank == 0 and config is not None:  # the attempt's mesh and batch, once per attempt
             import jax

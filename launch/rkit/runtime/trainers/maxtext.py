@@ -237,6 +237,41 @@ def hook_the_train_loop(on_step: Callable[[int], None],
     data_loader.DataLoader.load_next_batch_pre_sharding = load_next_batch_pre_sharding
 
 
+def restore_elastic_positions_at_any_count() -> None:
+    """In the training environment, before MaxText's train.main. Grain's ElasticIterator keeps one global
+    position (global_next_index) that is meant to restore on any process count, but MaxText 0.2.5 only knows it by
+    its dataset type, while its loader holds the iterator made from it: each process saves the global position as
+    its own process_<i>-of-<n>.json, and a restore on another process count fails MaxText's count check. An elastic
+    position saved by n processes is restored here from process 0's file, once every file is seen to hold the same
+    global position (a per-process position is never carried over: resources.min_nodes refuses it)."""
+    import json as json_module
+
+    import jax
+    from maxtext.common import grain_utility
+
+    if getattr(grain_utility.for_restore, "rkit_hooked", False):
+        return
+    for_restore = grain_utility.for_restore
+
+    def restore(checkpoint_manager, step, data_iterator, expansion_factor_real_data):
+        local = getattr(data_iterator, "local_iterator", None)
+        state = local.get_state() if hasattr(local, "get_state") else None
+        directory = Path(str(checkpoint_manager.directory)) / str(step) / "iter"
+        stored = sorted(directory.glob("process_*-of-*.json"))
+        if isinstance(state, dict) and "global_next_index" in state and stored \
+                and len(stored) != jax.process_count():
+            saved = {json_module.dumps(json_module.loads(path.read_text()), sort_keys=True) for path in stored}
+            if len(saved) != 1:
+                raise RkitError(f"{directory}: the {len(stored)} processes saved different elastic positions; "
+                                "the data order cannot be carried over to another process count")
+            return grain_utility.GrainCheckpointable(local, restore_process_index=0,
+                                                     restore_process_count=len(stored))
+        return for_restore(checkpoint_manager, step, data_iterator, expansion_factor_real_data)
+
+    restore.rkit_hooked = True  # type: ignore[attr-defined]
+    grain_utility.for_restore = restore
+
+
 def route_tensorboard(run: RunDir) -> None:
     """In the training environment, before MaxText's train.main: MaxText's TensorBoard summaries go to
     <run>/tensorboard/ (`tensorboard --logdir runs/` shows one line per run, every attempt of it on one
