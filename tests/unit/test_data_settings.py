@@ -14,7 +14,7 @@ import pytest
 
 from rkit.contract.errors import RecipeError
 from rkit.readers import compare, outcome
-from rkit.recipe import sampledata
+from rkit.recipe import datacheck, sampledata
 from rkit.recipe.load import load_recipe
 from rkit.runtime.telemetry import metrics
 
@@ -37,7 +37,7 @@ def data(tmp_path_factory) -> Path:
 
 def problems(*overrides: str) -> list[str]:
     try:
-        load_recipe(GRAIN, list(overrides))
+        datacheck.refuse(load_recipe(GRAIN, list(overrides)))
     except RecipeError as exc:
         return [f"{p.path}: {p.message}" for p in exc.problems]
     return []

@@ -73,7 +73,8 @@ def test_a_shrunk_attempt_gets_its_accumulation_and_a_full_one_none(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,key,says", [
-    (["trainer.overrides.dataset_type=grain"], "trainer.overrides.dataset_type", "supports dataset_type synthetic"),
+    (["trainer.overrides.dataset_type=grain"], "trainer.overrides.grain_use_elastic_iterator",
+     "needs Grain's elastic"),
     (["trainer.overrides.dataset_type=hf"], "trainer.overrides.dataset_type", "remove resources.min_nodes"),
     (["trainer.overrides.per_device_batch_size=0.5"], "trainer.overrides.per_device_batch_size", "whole"),
     (["trainer.overrides.ici_fsdp_parallelism=2"], "trainer.overrides.ici_fsdp_parallelism",

@@ -204,6 +204,9 @@ def test_enrich_turns_a_maxtext_line_into_an_rkit_line():
     cpu = enrich(raw, t=0, attempt=1, rank=0, node="x", peak=peak_tflops("cpu"), device_memory=(None, None),
                  host_rss=None)
     assert cpu["mfu"] is None  # no peak for the device: no MFU rather than a guess
+    fed = enrich(raw, t=0, attempt=1, rank=0, node="x", peak=None, device_memory=(None, None), host_rss=None,
+                 data=("00ff00ff00ff00ff", 2))
+    assert (fed["data_fingerprint"], fed["data_rows"]) == ("00ff00ff00ff00ff", 2)
 
 
 @pytest.mark.parametrize("kind, peak", [("NVIDIA H200", 989.0), ("AMD Instinct MI300X", 1307.4),

@@ -50,7 +50,6 @@ def test_a_recipe_with_a_local_tier_and_data_parallel_replicas_passes():
     ((), GOOD[:1], "trainer.overrides.ici_data_parallelism", "set ici_data_parallelism to -1"),
     (("trainer.overrides.ici_data_parallelism=-1",), GOOD[:1], "trainer.overrides.ici_fsdp_parallelism",
      "MaxText allows one auto axis"),
-    (("trainer.overrides.dataset_type=grain",), GOOD, "trainer.overrides.dataset_type", "saves no data iterator"),
     (("checkpoint.local_dir=local/nvme",), GOOD, "checkpoint.local_dir", "not absolute"),
     (("checkpoint.local_dir=/local:nvme",), GOOD, "checkpoint.local_dir", "':'"),
     (("checkpoint.local_period=0",), GOOD, "checkpoint.local_period", ""),

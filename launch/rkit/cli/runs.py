@@ -18,13 +18,16 @@ from rkit.contract.errors import RecipeError, RkitError
 @overrides_option
 @json_option
 def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Check RECIPE against the schema; report every problem with its key and line."""
+    """Check RECIPE against the schema and its data settings against this host's files; report every problem
+    with its key and line."""
+    from rkit.recipe import datacheck
     from rkit.recipe.load import load_recipe
     from rkit.run.plan import validate_maxtext_keys
 
     try:
         loaded = load_recipe(recipe, overrides)
         note = validate_maxtext_keys(loaded)
+        datacheck.refuse(loaded)
     except RecipeError as exc:
         if as_json:
             click.echo(json.dumps({"valid": False, "file": exc.source,

@@ -3,7 +3,9 @@ and are readable regular files, the tokenizer exists and its vocabulary fits the
 will read are in the first record. A mistake here is one line naming the key and the fix (exit 2, nothing written),
 not a rank's traceback minutes into the first attempt.
 
-Checked on this host, where the data is where the nodes will see it (a shared file system); remote patterns
+Checked when a run is planned (`rkit run`, `--dry-run`, `reproduce`) and by `rkit validate`, never when a recipe is
+only read (status, report, diff, a unit test's view of a GPU recipe whose data lives on a cluster). Checked on this
+host, where the data is where the nodes will see it (a shared file system); remote patterns
 (gs://, hf://) and Hugging Face tokenizer names are left to MaxText on the nodes. Reads at most the first record of
 the first file and the tokenizer's model: a FIFO or a device in place of a file is named, never opened.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rkit.contract.config import Config
-from rkit.contract.errors import Problem
+from rkit.contract.errors import Problem, RecipeError
 
 WHERE = "trainer.overrides."
 # base.yml's values of the keys read here (MaxText 0.2.5)
@@ -44,6 +46,16 @@ def _settings(config: Config) -> dict[str, Any]:
             pass
     values.update({k: v for k, v in (config.trainer.overrides or {}).items() if k in DEFAULTS})
     return values
+
+
+def refuse(recipe: Any) -> None:
+    """Raise RecipeError (exit 2) naming each data setting this host cannot read as the recipe says, on the
+    recipe's line or the -o option that set it; nothing is written before this."""
+    from rkit.recipe.load import placed, recipe_lines
+
+    found = problems(recipe.config, recipe.config.launcher)
+    if found:
+        raise RecipeError(recipe.source, placed(found, recipe_lines(recipe), recipe.overrides))
 
 
 def problems(config: Config, launcher: str) -> list[Problem]:

@@ -29,7 +29,6 @@ from rkit.contract.stamp import (  # noqa: F401 - the hash helpers are reached t
     is_secret_name,
     redact_value,
 )
-from rkit.recipe import datacheck
 from rkit.recipe.yaml_text import (  # noqa: F401 - parse_override_value: tests use it from here
     PATH_CHARS_WHY,
     apply_overrides,
@@ -174,8 +173,6 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                         "the value itself."))
     problems.extend(_elastic_problems(data))
     problems.extend(_local_tier_problems(data))
-    if not problems and (typed := _typed(data)) is not None:  # the data's files, read only for a sound recipe
-        problems.extend(datacheck.problems(typed, str(data.get("launcher"))))
     ckpt = data.get("checkpoint")
     period = ckpt.get("period") if isinstance(ckpt, dict) else None
     if isinstance(period, str) and re.fullmatch(r"0+(\.0+)?[smh]", period):
@@ -355,14 +352,19 @@ def parse_recipe(source: str, text: str, overrides: list[str] | tuple[str, ...] 
         named = {p.path for p in unfit}
         problems = unfit + [p for p in _schema_problems(data) + _semantic_problems(data) if p.path not in named]
     if problems:
-        for p in problems:
-            origin = override_origin(overrides, p.path) if p.path else None
-            if origin is not None and "(from -o" not in p.message:
-                p.message += f" (from -o {redact_value(origin, '<redacted>')})"
-            elif p.line is None and p.path and origin is None:
-                p.line = _nearest_line(lines, p.path)
-        raise RecipeError(source, problems)
+        raise RecipeError(source, placed(problems, lines, overrides))
     return Recipe(source=source, text=text, resolved=data, overrides=tuple(overrides))
+
+
+def placed(problems: list[Problem], lines: dict[tuple, int], overrides: list[str] | tuple[str, ...]) -> list[Problem]:
+    """Each problem with where its value came from: the -o option that set it, else the recipe's line."""
+    for p in problems:
+        origin = override_origin(overrides, p.path) if p.path else None
+        if origin is not None and "(from -o" not in p.message:
+            p.message += f" (from -o {redact_value(origin, '<redacted>')})"
+        elif p.line is None and p.path and origin is None:
+            p.line = _nearest_line(lines, p.path)
+    return problems
 
 
 def override_origin(overrides: list[str] | tuple[str, ...], path: str) -> str | None:

@@ -24,7 +24,7 @@ from rkit.images import probe as imageagent
 from rkit.images.identity import ImageIdentity
 from rkit.images.identity import resolve as resolve_image
 from rkit.images.store import apptainer
-from rkit.recipe import maxtext_keys
+from rkit.recipe import datacheck, maxtext_keys
 from rkit.recipe.load import Recipe
 from rkit.recipe.yaml_text import PATH_CHARS_WHY, unsafe_path_chars
 from rkit.run import cadence
@@ -94,6 +94,7 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
          extra_stamp: dict[str, Any] | None = None) -> LaunchPlan:
     """Everything `runner.execute` will do, read and worked out now; a user mistake is an RkitError here, before
     anything is written. `image`: the recipe's image resolved (RESOLVE) or already identified (reproduce)."""
+    datacheck.refuse(recipe)
     image = resolve_image(recipe.config.image) if image is RESOLVE else image
     check_maxtext_keys(recipe, image)
     run = run_path(recipe)

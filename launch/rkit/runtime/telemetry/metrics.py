@@ -110,8 +110,11 @@ def enrich(raw: dict, *, t: float, attempt: int, rank: int, node: str, peak: flo
     tflops = line.get("tflops_per_device")
     line.update(t=round(t, 3), attempt=attempt, rank=rank, node=node, host_rss_bytes=host_rss,
                 device_memory_bytes=device_memory[0], device_memory_peak_bytes=device_memory[1],
-                mfu=round(tflops / peak, 6) if peak and isinstance(tflops, (int, float)) else None,
-                data_fingerprint=data[0] if data else None, data_rows=data[1] if data else None)
+                mfu=round(tflops / peak, 6) if peak and isinstance(tflops, (int, float)) else None)
+    if data:  # data read on the host (synthetic data has none: its lines carry no data keys)
+        line.update(data_fingerprint=data[0], data_rows=data[1])
+    else:
+        del line["data_fingerprint"], line["data_rows"]
     return line
 
 
