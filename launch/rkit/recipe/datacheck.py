@@ -22,6 +22,7 @@ from typing import Any
 
 from rkit.contract.config import Config
 from rkit.contract.errors import Problem, RecipeError
+from rkit.recipe.load import Recipe, placed, recipe_lines
 
 WHERE = "trainer.overrides."
 # base.yml's values of the keys read here (MaxText 0.2.5)
@@ -48,11 +49,9 @@ def _settings(config: Config) -> dict[str, Any]:
     return values
 
 
-def refuse(recipe: Any) -> None:
+def refuse(recipe: Recipe) -> None:
     """Raise RecipeError (exit 2) naming each data setting this host cannot read as the recipe says, on the
     recipe's line or the -o option that set it; nothing is written before this."""
-    from rkit.recipe.load import placed, recipe_lines
-
     found = problems(recipe.config, recipe.config.launcher)
     if found:
         raise RecipeError(recipe.source, placed(found, recipe_lines(recipe), recipe.overrides))

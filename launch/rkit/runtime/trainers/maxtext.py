@@ -244,8 +244,6 @@ def restore_elastic_positions_at_any_count() -> None:
     its own process_<i>-of-<n>.json, and a restore on another process count fails MaxText's count check. An elastic
     position saved by n processes is restored here from process 0's file, once every file is seen to hold the same
     global position (a per-process position is never carried over: resources.min_nodes refuses it)."""
-    import json as json_module
-
     import jax
     from maxtext.common import grain_utility
 
@@ -256,11 +254,12 @@ def restore_elastic_positions_at_any_count() -> None:
     def restore(checkpoint_manager, step, data_iterator, expansion_factor_real_data):
         local = getattr(data_iterator, "local_iterator", None)
         state = local.get_state() if hasattr(local, "get_state") else None
+        if not (isinstance(state, dict) and "global_next_index" in state):  # a per-process position: MaxText's
+            return for_restore(checkpoint_manager, step, data_iterator, expansion_factor_real_data)
         directory = Path(str(checkpoint_manager.directory)) / str(step) / "iter"
         stored = sorted(directory.glob("process_*-of-*.json"))
-        if isinstance(state, dict) and "global_next_index" in state and stored \
-                and len(stored) != jax.process_count():
-            saved = {json_module.dumps(json_module.loads(path.read_text()), sort_keys=True) for path in stored}
+        if stored and len(stored) != jax.process_count():
+            saved = {json.dumps(json.loads(path.read_text()), sort_keys=True) for path in stored}
             if len(saved) != 1:
                 raise RkitError(f"{directory}: the {len(stored)} processes saved different elastic positions; "
                                 "the data order cannot be carried over to another process count")
