@@ -20,6 +20,7 @@ import pytest
 
 from rkit.contract.rundir import RunDir
 from rkit.runtime.telemetry.metrics import lines, merged, read_rank
+from rkit.runtime.trainers import localtier, maxtext
 
 from ..conftest import TINY, missing_test_bed, require_maxtext, rkit, wait_until
 
@@ -764,7 +765,7 @@ def test_a_damaged_local_step_is_quarantined_and_the_previous_one_restored(works
     # step is moved aside, and the next attempt restores the previous local step.
     stop = ["-o", "resilience.max_restarts=0", "--inject", "kill:rank=1,step=19"]
     run, local = local_tier_run(workspace, "local-damaged", *stop, expect=1)
-    [record] = [json.loads(p.read_text()) for p in run.local_tier_dir.glob("rank-1.json")]
+    [record] = [r for r in localtier.records(run) if r["rank"] == 1]
     newest = max(record["steps"])
     step_dir = Path(record["path"]) / str(newest)
     damaged = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
@@ -784,3 +785,95 @@ def test_a_damaged_local_step_is_quarantined_and_the_previous_one_restored(works
     assert outcome_sha(run) == outcome_sha(local_baseline)
     print(f"damaged local step {newest}: the attempt failed {failed:.1f} s after it started; restored step "
           f"{newest - 2} from the local tier")
+
+
+def test_a_lost_first_node_leaves_each_survivor_its_own_newer_local_step(workspace: Path):
+    # Three virtual nodes, one process each (three replicas: the first saves to the run directory, the others to
+    # their node's storage every 2 steps). Node 0 is lost at step 15 with no spare: the attempt shrinks onto
+    # nodes 1 and 2, now processes 0 and 1, and each finds the local steps its node saved as process 1 or 2.
+    run, local = local_tier_run(workspace, "local-node-lost", "-o", "resources.nodes=3",
+                                "-o", "resources.processes_per_node=1", "-o", "resources.min_nodes=2",
+                                "-o", "trainer.overrides.gradient_accumulation_steps=2",
+                                "--inject", "lose_node:rank=0,step=15")
+    [restored] = events(run, "checkpoint.restored")
+    # the supervisor's injection fires once it reads step 15: the node's processes die a step or two later
+    assert restored["attempt"] == 2 and restored["tier"] == "local" and 12 <= restored["step"] <= 18, restored
+    assert "lost_step" not in restored  # no "step N was lost"
+    started = events(run, "attempt.started")
+    assert 10 < started[1]["resume_from_step"] <= restored["step"]
+    assert [(e["cause"], e["decision"]) for e in events(run, "attempt.ended")] == [("node_fail", "restart"),
+                                                                                 ("completed", "finish")]
+    assert trained_steps(run, 2) == set(range(restored["step"] + 1, 30))
+    assert events(run, "run.finished") and final_loss(run) > 0
+    # the lost node's record is forgotten; its folder goes once the run directory is newer (here: the end)
+    assert not any(r["node"].endswith("node0") for r in localtier.records(run))
+    assert not local.exists() or not list(local.rglob("*"))
+    lost_after = events(run, "attempt.ended")[0]["detail"]
+    print(f"lost node 0 of 3 ({lost_after}): restored step {restored['step']} from the local tier in "
+          f"{restored['seconds']} s; today's code restored step 10 from the run directory")
+
+
+def test_a_peer_killed_during_a_local_restore_quarantines_nothing_and_is_named(workspace: Path):
+    # Three processes, three replicas: rank 1 crashes at step 19; attempt 2 restores the newest local step from
+    # replica 1 (rank 1), and rank 2 is killed as the restore begins. Rank 1's restore breaks off in the restore's
+    # collectives (its peer is gone): not the step's damage, so nothing is quarantined, the attempt is rank 2's
+    # failure, and attempt 3 restores the same step.
+    run, _ = local_tier_run(workspace, "local-peer-restore", "-o", "resources.processes_per_node=3",
+                            "--inject", "kill:rank=1,step=19", "--inject", "kill_restore:rank=2")
+    assert not events(run, "checkpoint.quarantined")
+    ended = events(run, "attempt.ended")
+    assert [e["cause"] for e in ended] == ["task_signal", "task_signal", "completed"], ended
+    assert ended[1]["detail"].startswith("rank 2 killed by SIGKILL before its first step"), ended[1]
+    [restored] = events(run, "checkpoint.restored")
+    assert restored["attempt"] == 3 and restored["tier"] == "local" and 12 <= restored["step"] <= 18, restored
+    assert events(run, "attempt.started")[1]["resume_from_step"] <= restored["step"]
+    assert trained_steps(run, 3) == set(range(restored["step"] + 1, 30))
+    said = [line for r in (0, 1) for line in (run.attempt_dir(2) / f"rank-{r}.log").read_text(
+        errors="replace").splitlines() if line.startswith("rkit: ") and "restore" in line]
+    assert not [line for line in said if "Failed to restore" in line], said
+    print(f"peer killed in the restore: attempt 2 {ended[1]['detail']!r}; the others said {said}; restored step "
+          f"{restored['step']} from the local tier in attempt 3")
+
+
+def test_a_final_step_the_run_directory_could_not_take_does_not_finish_the_run(workspace: Path,
+                                                                             local_baseline: RunDir):
+    # The run directory's checkpoints on a tmpfs, made read-only once step 20 is committed: the final save
+    # (step 29) fails there while the local replica holds its steps. Not finished; resumed once it is writable,
+    # the run trains the last steps again from the local tier and saves step 29 in the run directory.
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        missing_test_bed("a read-only tmpfs for the checkpoints needs root (mount -o remount,ro); make test runs as "
+                         "root")
+    name = "local-final-ro"
+    local = workspace.parent / f"node-local {name}"
+    args = ["run", str(TINY), "-o", f"name={name}", *SHORT, *LOCAL_TIER, "-o", f"checkpoint.local_dir={local}",
+            "-o", "resilience.max_restarts=0"]
+    proc = subprocess.Popen([sys.executable, "-m", "rkit.cli", *args], cwd=workspace, env=dict(os.environ, **ENV),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = RunDir(workspace / "runs" / name)
+    mounted = False
+    try:
+        wait_until(lambda: run.orbax_dir.is_dir() or proc.poll() is not None, 120, "the run directory", every=0.01)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run.orbax_dir)], check=True)
+        mounted = True
+        wait_until(lambda: 20 in maxtext.committed_steps(run), 300, "step 20 committed", alive=proc, every=0.05)
+        subprocess.run(["mount", "-o", "remount,ro", str(run.orbax_dir)], check=True)
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        assert not events(run, "run.finished") and events(run, "run.gave_up")
+        assert maxtext.committed_steps(run)[-1] == 20 and not maxtext.final_committed(run, 29)
+        assert status_json(run)["state"] != "finished"
+        subprocess.run(["mount", "-o", "remount,rw", str(run.orbax_dir)], check=True)
+        done = rkit(*args, "--resume", "-o", "resilience.max_restarts=3", cwd=workspace, env=ENV, check=0)
+        assert "Traceback" not in done.stderr
+        assert maxtext.final_committed(run, 29) and events(run, "run.finished")
+        restored = events(run, "checkpoint.restored")[-1]
+        assert restored["tier"] == "local" and restored["step"] >= 22, restored
+        assert min(trained_steps(run, restored["attempt"])) == restored["step"] + 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if mounted:
+            subprocess.run(["umount", "-l", str(run.orbax_dir)], check=False)
+    print(f"final save refused by a read-only run directory: not finished; resumed from local step "
+          f"{restored['step']}, {29 - restored['step']} step(s) recomputed")

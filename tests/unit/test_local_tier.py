@@ -54,8 +54,6 @@ def test_a_recipe_with_a_local_tier_and_data_parallel_replicas_passes():
     (("checkpoint.local_dir=/local:nvme",), GOOD, "checkpoint.local_dir", "':'"),
     (("checkpoint.local_period=0",), GOOD, "checkpoint.local_period", ""),
     (("checkpoint.local_period=5",), (), "checkpoint.local_period", "without checkpoint.local_dir"),
-    (("resources.nodes=2", "resources.processes_per_node=1", "resources.min_nodes=1"), GOOD,
-     "checkpoint.local_dir", "elastic shrink"),
 ])
 def test_a_recipe_the_local_tier_cannot_work_with_is_refused_with_the_key_and_the_fix(overrides, good, key, says):
     found = problems_of(*overrides, good=good)
@@ -88,8 +86,9 @@ def test_maxtext_gets_the_emergency_manager_and_each_rank_its_own_directory(tmp_
 
 def record(run: RunDir, rank: int, replica: int, size: int, steps: list[int]) -> None:
     run.local_tier_dir.mkdir(parents=True, exist_ok=True)
-    localtier.record_path(run, rank).write_text(json.dumps({"rank": rank, "node": f"n{rank}", "replica": replica,
-                                                            "replica_size": size, "steps": steps}))
+    localtier.record_path(run, f"n{rank}-0").write_text(json.dumps({
+        "key": f"n{rank}-0", "rank": rank, "node": f"n{rank}", "replica": replica, "replica_size": size,
+        "steps": steps}))
 
 
 def test_a_local_step_counts_as_committed_when_one_replica_holds_it_whole(tmp_path: Path):
@@ -183,15 +182,145 @@ def test_the_records_are_read_again_only_when_a_rank_rewrote_one(tmp_path: Path)
     # the supervisor asks every poll: an unchanged directory (its mtime older than a few seconds) is not read again
     run = RunDir(tmp_path / "run")
     run.local_tier_dir.mkdir(parents=True)
-    write_json_atomic(localtier.record_path(run, 1), {"rank": 1, "replica": 1, "replica_size": 1, "steps": [12]})
+    write_json_atomic(localtier.record_path(run, "n1-0"), {"rank": 1, "replica": 1, "replica_size": 1, "steps": [12]})
     old = time.time() - 60
     os.utime(run.local_tier_dir, (old, old))
     assert localtier.newest_restorable(run) == 12
     # edited in place (rkit never does): the directory is unchanged, so the read is not repeated
-    localtier.record_path(run, 1).write_text(json.dumps({"rank": 1, "replica": 1, "replica_size": 1,
+    localtier.record_path(run, "n1-0").write_text(json.dumps({"rank": 1, "replica": 1, "replica_size": 1,
                                                          "steps": [99]}))
     os.utime(run.local_tier_dir, (old, old))
     assert localtier.newest_restorable(run) == 12
     # a rank's rewrite (a rename into the directory) is read
-    write_json_atomic(localtier.record_path(run, 1), {"rank": 1, "replica": 1, "replica_size": 1, "steps": [14]})
+    write_json_atomic(localtier.record_path(run, "n1-0"), {"rank": 1, "replica": 1, "replica_size": 1, "steps": [14]})
     assert localtier.newest_restorable(run) == 14
+
+
+def test_a_local_tier_may_shrink_with_its_nodes():
+    c = config("resources.nodes=3", "resources.processes_per_node=1", "resources.min_nodes=2",
+               "trainer.overrides.gradient_accumulation_steps=2")  # 3 nodes x 2 = 2 nodes x 3
+    assert c.checkpoint.local_dir and c.resources.can_shrink
+
+
+def test_a_processs_folder_is_named_by_its_node_and_local_rank_not_its_index():
+    # the local launcher's virtual nodes: node 0 lost, node 2's process is now rank 1 and keeps its folder
+    env = {localtier.NODE_ENV: "h-node2", localtier.NODES_ENV: "h-node1,h-node2", "RKIT_PROCS_PER_NODE": "1"}
+    assert localtier.node_key(env, 1) == "h-node2-0"
+    assert localtier.live_keys(env, 1) == {"h-node1-0", "h-node2-0"}
+    # Slurm: the node's name and the task's local id, whatever its global rank
+    slurm = {"SLURMD_NODENAME": "gpu07", "SLURM_LOCALID": "1", "RKIT_PROCS_PER_NODE": "2"}
+    assert localtier.node_key(slurm, 5) == "gpu07-1"
+    assert localtier.live_keys(slurm, 5) == {"gpu07-0", "gpu07-1"}
+
+
+def tier(tmp_path: Path, run: RunDir, key: str = "h-node1-0", nodes: str = "h-node1,h-node2",
+         final_step: int = 29) -> localtier.LocalTier:
+    env = {localtier.NODE_ENV: key.rpartition("-")[0], localtier.NODES_ENV: nodes, "RKIT_PROCS_PER_NODE": "1"}
+    said: list[dict] = []
+    t = localtier.LocalTier(run, 2, 0, final_step, tmp_path / "node" / "rkit-run",
+                            lambda event, **f: said.append({"event": event, **f}), environ=env)
+    t.process_dir = t.root / t.key
+    t.process_dir.mkdir(parents=True, exist_ok=True)
+    t.said = said  # type: ignore[attr-defined]
+    return t
+
+
+def persistent(run: RunDir, step: int) -> None:
+    (run.orbax_dir / str(step)).mkdir(parents=True)
+    (run.orbax_dir / str(step) / "_CHECKPOINT_METADATA").write_text("{}")
+
+
+def test_a_restore_failure_is_a_corrupt_step_only_on_evidence(tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    t = tier(tmp_path, run)
+    t.restored_tier = "local"
+    step = local_step(t.process_dir / "14")
+    # a peer lost in the restore's collectives, memory, a passing I/O error: the step stays
+    for exc in (RuntimeError("Gloo: Connection reset by peer"), MemoryError(), ConnectionResetError(104, "reset"),
+                OSError(5, "Input/output error", str(step / "state" / "d" / "abc"))):
+        assert not t.restore_failed(14, exc) and step.is_dir(), exc
+    # an error on the step's own files (Orbax/TensorStore naming them): moved aside, said with the error
+    assert localtier.names_files_of(ValueError(f"DATA_LOSS: Error reading {step}/state/d/abc"), step)
+    assert t.restore_failed(14, ValueError(f"DATA_LOSS: Error reading {step}/state/d/abc"))
+    assert not step.exists()
+    [event] = t.said
+    assert (event["event"], event["step"], event["tier"]) == ("checkpoint.quarantined", 14, "local")
+    assert "the restore failed: ValueError" in event["reason"] and "h-node1-0-14" in event["moved_to"]
+    # files the check finds damaged are evidence whatever the error says
+    step = local_step(t.process_dir / "12")
+    (step / "state" / "_METADATA").write_text("")
+    assert t.restore_failed(12, RuntimeError("Gloo: Connection reset by peer")) and not step.exists()
+    # a restore from the run directory is never the local step's fault
+    step = local_step(t.process_dir / "10")
+    t.restored_tier = "persistent"
+    assert not t.restore_failed(10, ValueError(f"DATA_LOSS: {step}")) and step.is_dir()  # not its files
+
+
+def test_a_final_step_only_the_local_tier_holds_is_moved_aside_and_trained_again(tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    t = tier(tmp_path, run)
+    local_step(t.process_dir / "28")
+    local_step(t.process_dir / "29")
+    persistent(run, 20)
+    assert not maxtext.final_committed(run, 29)  # the run is not finished on node-local bytes
+    t.check()
+    assert sorted(localtier.step_dirs_in(t.process_dir)) == [28]
+    [event] = t.said
+    assert event["step"] == 29 and "held only by the local tier" in event["reason"]
+    # once the run directory has it, the local copy is an ordinary step
+    persistent(run, 29)
+    local_step(t.process_dir / "29")
+    t.check()
+    assert sorted(localtier.step_dirs_in(t.process_dir)) == [28, 29] and len(t.said) == 1
+    assert maxtext.final_committed(run, 29)
+
+
+def test_folders_no_process_maps_to_and_old_quarantine_are_removed_once_the_run_directory_is_newer(
+        tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    t = tier(tmp_path, run)
+    lost = local_step(t.root / "h-node0-0" / "14").parent  # the lost node's (one disk for the virtual nodes)
+    peer = local_step(t.root / "h-node2-0" / "14").parent  # a live process's: never touched
+    legacy = local_step(t.root / "1" / "12").parent  # the folder of a process index (rkit before node keys)
+    for i in range(6):
+        aside = t.root / "quarantine" / f"h-node1-0-{i}"
+        aside.mkdir(parents=True)
+        os.utime(aside, (1000 + i, 1000 + i))
+    assert t.tidy() == []  # nothing in the run directory yet: any of them may still be restored
+    persistent(run, 10)
+    assert t.tidy() == ["quarantine/h-node1-0-1", "quarantine/h-node1-0-0"]
+    assert lost.is_dir() and legacy.is_dir()  # they hold steps newer than the run directory's
+    persistent(run, 20)
+    assert sorted(t.tidy()) == ["1", "h-node0-0"]
+    assert not lost.exists() and not legacy.exists() and peer.is_dir() and t.process_dir.is_dir()
+    assert len(list((t.root / "quarantine").iterdir())) == localtier.KEEP_QUARANTINED
+
+
+def test_records_of_a_left_out_node_are_forgotten(tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    record(run, 1, 1, 1, [14])
+    record(run, 2, 2, 1, [16])
+    assert localtier.newest_restorable(run) == 16
+    assert localtier.forget(run, ["n2"]) == ["n2-0"]
+    assert localtier.newest_restorable(run) == 14
+
+
+def test_a_peer_killed_in_the_restore_is_rehearsed_with_a_local_tier():
+    c = config()
+    [kill] = parse_injections(["kill_restore:rank=0"], c.processes, 30, c)
+    assert (kill.kind, kill.rank, kill.step, kill.in_trainer) == ("kill_restore", 0, 0, True)
+    with pytest.raises(RkitError, match="no local tier|fault of the node-local tier"):
+        parse_injections(["kill_restore:rank=1"], 2, 30, load_recipe(TINY).config)
+
+
+def test_a_failed_restore_of_the_run_directorys_step_is_its_damage_only_on_evidence(tmp_path: Path):
+    run = RunDir(tmp_path / "run")
+    t = tier(tmp_path, run)
+    t.restored_tier = "persistent"
+    persistent(run, 20)
+    step = run.orbax_dir / "20"
+    assert not t.restore_failed(20, RuntimeError("Gloo AllGather failed: Connection closed by peer"))
+    assert t.restore_failed(20, ValueError(f"DATA_LOSS: Error reading {step}/state/d/abc"))
+    assert step.is_dir()  # the supervisor moves it aside, on the attempt's cause
+    t.restored_tier = None  # broken off before a tier was chosen (listing the replicas' steps)
+    assert not t.restore_failed(20, ValueError(f"DATA_LOSS: {step}"))

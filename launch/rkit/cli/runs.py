@@ -50,8 +50,8 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @click.option("--inject", "injects", multiple=True, metavar="SPEC",
               help="Inject a fault: kill:rank=R,step=S | exit:rank=R,step=S[,code=C] | hang:rank=R,step=S "
                    "| sigterm:step=S | preempt:step=S (Slurm) | lose_node:rank=R,step=S (local, with "
-                   "resources.min_nodes) | lose_local:rank=R,step=S (with checkpoint.local_dir) (add ,repeat=true to "
-                   "fire every attempt).")
+                   "resources.min_nodes) | lose_local:rank=R,step=S | kill_restore:rank=R[,step=S] "
+                   "(with checkpoint.local_dir) (add ,repeat=true to fire every attempt).")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 @click.option("--wait", is_flag=True, help="launcher: slurm: follow the job until the run ends.")
 @click.option("--dry-run", is_flag=True, help="Print the plan `rkit run` executes: the sbatch script (Slurm) or "

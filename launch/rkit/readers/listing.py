@@ -50,7 +50,7 @@ def _row(run: RunDir, now: float) -> dict[str, Any]:
     slurm = slurm_info(events) if config.launcher == "slurm" else None
     committed = maxtext.latest_committed_step(run)
     state, reason = run_state(run, events, slurm,
-                              final_committed=committed is not None and committed >= config.trainer.final_step)
+                              final_committed=maxtext.final_committed(run, config.trainer.final_step))
     last = last_jsonl(run.metrics_file(0)) or {}
     image = (stamp.get("image") or {}).get("sha256")
     image = image if isinstance(image, str) else None  # a damaged stamp's other value: not shown

@@ -199,7 +199,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
     slurm = slurm_info(fold)
     committed = maxtext.latest_committed_step(run)
     state, reason = run_state(run, fold, slurm,
-                              final_committed=committed is not None and committed >= config.trainer.final_step)
+                              final_committed=maxtext.final_committed(run, config.trainer.final_step))
     total = config.trainer.final_step + 1
     processes = config.processes
     period = config.checkpoint.fixed_period or fold.period
@@ -247,7 +247,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         "steps_done": done_steps,
         "total_steps": total,
         "last_committed_step": committed,
-        "final_step_committed": committed is not None and committed >= config.trainer.final_step,
+        "final_step_committed": maxtext.final_committed(run, config.trainer.final_step),
         "loss": final_loss,
         # the newest attempt's processes: an elastic run's shrunk attempt has fewer than the recipe's
         "tokens_per_sec": statistics.median(tps) * ((table[-1].get("processes") if table else None) or processes)

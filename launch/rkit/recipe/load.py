@@ -277,7 +277,7 @@ def _local_tier_problems(data: dict) -> list[Problem]:
 
 def _local_tier_config_problems(config: Config) -> list[Problem]:
     """Why this recipe cannot have a node-local tier (runtime/trainers/localtier.py), before anything starts."""
-    ckpt, res = config.checkpoint, config.resources
+    ckpt = config.checkpoint
     found = []
     where = "trainer.overrides."
     text = str(ckpt.local_dir)
@@ -302,10 +302,6 @@ def _local_tier_config_problems(config: Config) -> list[Problem]:
                 found.append(Problem(f"{where}{key}", "-1 (auto) beside ici_data_parallelism -1: MaxText allows "
                                                       "one auto axis; give it a fixed size (1 for fsdp keeps each "
                                                       "replica's state whole on its process)."))
-    if res.can_shrink:
-        found.append(Problem("checkpoint.local_dir", "elastic shrink (resources.min_nodes) changes the processes and "
-                                                     "the replicas the local tier is laid out by; remove one of "
-                                                     "them."))
     return found
 
 

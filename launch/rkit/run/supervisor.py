@@ -47,7 +47,7 @@ from rkit.run.policy import (
 from rkit.run.tbmarks import mark_restart
 from rkit.runtime.inject import Injection, pending
 from rkit.runtime.telemetry.metrics import MetricsTail, repair_tail
-from rkit.runtime.trainers import maxtext
+from rkit.runtime.trainers import localtier, maxtext
 
 
 @dataclass
@@ -124,8 +124,7 @@ class Supervisor:
         return True
 
     def final_committed(self) -> bool:
-        latest = maxtext.latest_committed_step(self.run)
-        return latest is not None and latest >= self.config.trainer.final_step
+        return maxtext.final_committed(self.run, self.config.trainer.final_step)
 
     def next_attempt_number(self) -> int:
         return max(self.run.attempt_numbers(), default=0) + 1
@@ -196,6 +195,8 @@ class Supervisor:
         sized = self._resize(attempt)
         self.period = self._choose_period(attempt)
         suspect = preflight.checkpoints(self.run)
+        if self.config.checkpoint.local_dir:  # a left-out node's local steps are on a disk no attempt reads
+            localtier.forget(self.run, self.excluded())
         committed_before = maxtext.latest_committed_step(self.run)
         if suspect is not None:
             return Outcome(Cause.CHECK_SUSPECT, committed_before, committed_before, suspect)

@@ -123,7 +123,7 @@ def fire(ctx: AgentContext, inj: Injection, step: int, tier: LocalTier | None = 
 def _act(inj: Injection, step: int) -> None:
     sys.stderr.write(f"rkit: injected fault {inj.spec!r} fires at step {step}\n")
     sys.stderr.flush()
-    if inj.kind in ("kill", "lose_local"):
+    if inj.kind in ("kill", "lose_local", "kill_restore"):
         os.kill(os.getpid(), signal.SIGKILL)
     if inj.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; the process lives on, silent
@@ -140,11 +140,19 @@ class Injector:
         self.pump = pump
         self.tier = tier
         self.targets = sorted(ctx.injections, key=lambda i: i.step)
+        if tier is not None:
+            tier.on_restore.append(self.at_restore)
+
+    def at_restore(self, step: int) -> None:
+        """kill_restore: as this rank begins to restore step `step` (the node-local tier's hook calls it)."""
+        for inj in [i for i in self.targets if i.kind == "kill_restore" and step >= i.step]:
+            self.targets.remove(inj)
+            fire(self.ctx, inj, step, self.tier)
 
     def at_step(self, step: int) -> None:
         if self.tier is not None:
             self.tier.observe(step)  # this rank's committed local checkpoints, into its record
-        due = [i for i in self.targets if step >= i.step]
+        due = [i for i in self.targets if step >= i.step and i.kind != "kill_restore"]
         if not due:
             return
         if self.pump is not None:
@@ -385,6 +393,16 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
         if tier is not None and end.code in (0, None):
             tier.finish()
         raise
+    except Exception:
+        # An error out of MaxText (a save the file system refused): said, then out at once. Left to the
+        # interpreter's exit, the process waits forever for Orbax's signalling threads, and its peers in
+        # jax.distributed's shutdown barrier for it: a failure the supervisor could only call a hang.
+        import traceback
+
+        traceback.print_exc()
+        pump.drain()
+        sys.stderr.flush()
+        os._exit(1)
     finally:  # the last steps' lines are read before the process goes
         pump.drain()
 
@@ -398,7 +416,9 @@ def local_tier(ctx: AgentContext) -> LocalTier | None:
 
     tier = localtier.LocalTier(ctx.run, ctx.attempt, ctx.rank, config.trainer.final_step,
                                localtier.run_root(config.checkpoint.local_dir, ctx.run), ctx.run.emit)
-    localtier.hook(tier)
+    from rkit.runtime.trainers import emergency
+
+    emergency.hook(tier)
     return tier
 
 

@@ -15,6 +15,8 @@ lose_node:rank=R,step=S     rank R's node is lost for good at step S (its ranks 
 lose_local:rank=R,step=S    rank R's node-local checkpoints are lost at step S (its pending local saves finished,
                             then its local directory deleted and the rank SIGKILLed): the rehearsal of a node
                             replaced with empty local storage, for a recipe with checkpoint.local_dir
+kill_restore:rank=R[,step=S] SIGKILL rank R as it begins to restore a checkpoint of step S or later (default any),
+                            for a recipe with checkpoint.local_dir: a peer lost during the others' restore
 Add `repeat=true` to fire in every attempt (a deterministic failure); by default an injection fires once.
 """
 
@@ -27,9 +29,11 @@ from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 
 KINDS = {"kill": {"rank", "step"}, "exit": {"rank", "step", "code"}, "hang": {"rank", "step"}, "sigterm": {"step"},
-         "preempt": {"step"}, "lose_node": {"rank", "step"}, "lose_local": {"rank", "step"}}
+         "preempt": {"step"}, "lose_node": {"rank", "step"}, "lose_local": {"rank", "step"},
+         "kill_restore": {"rank", "step"}}
 REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank", "step"}, "sigterm": {"step"},
-            "preempt": {"step"}, "lose_node": {"rank", "step"}, "lose_local": {"rank", "step"}}
+            "preempt": {"step"}, "lose_node": {"rank", "step"}, "lose_local": {"rank", "step"},
+            "kill_restore": {"rank"}}
 FIRED_EVENT = EV.INJECT_FIRED
 
 
@@ -45,9 +49,9 @@ class Injection:
 
     @property
     def in_trainer(self) -> bool:
-        """kill, exit, hang and lose_local act inside the rank's own process; sigterm, preempt and lose_node are
-        the supervisor's."""
-        return self.kind in ("kill", "exit", "hang", "lose_local")
+        """kill, exit, hang, lose_local and kill_restore act inside the rank's own process; sigterm, preempt and
+        lose_node are the supervisor's."""
+        return self.kind in ("kill", "exit", "hang", "lose_local", "kill_restore")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,7 +92,7 @@ def parse_injection(spec: str, index: int = 0) -> Injection:
     repeat = fields.get("repeat", "false").lower()
     if repeat not in ("true", "false", "1", "0", "yes", "no"):
         raise RkitError(f"--inject {spec!r}: repeat must be true or false.")
-    return Injection(index=index, kind=kind, step=numbers["step"], rank=numbers.get("rank"),
+    return Injection(index=index, kind=kind, step=numbers.get("step", 0), rank=numbers.get("rank"),
                      code=numbers.get("code", 1), repeat=repeat in ("true", "1", "yes"), spec=spec)
 
 
@@ -107,9 +111,9 @@ def parse_injections(specs: list[str] | tuple[str, ...], processes: int,
                             "resources.min_nodes below resources.nodes (e.g. -o resources.nodes=2 -o "
                             "resources.processes_per_node=1 -o resources.min_nodes=1); on Slurm, crash a node "
                             "for real.")
-        if config is not None and inj.kind == "lose_local" and not config.checkpoint.local_dir:
-            raise RkitError(f"--inject {inj.spec!r}: lose_local rehearses the loss of a node's local "
-                            "checkpoints; this recipe has no local tier (set checkpoint.local_dir).")
+        if config is not None and inj.kind in ("lose_local", "kill_restore") and not config.checkpoint.local_dir:
+            raise RkitError(f"--inject {inj.spec!r}: {inj.kind} rehearses a fault of the node-local tier; this "
+                            "recipe has no local tier (set checkpoint.local_dir).")
         if inj.rank is not None and inj.rank >= processes:
             raise RkitError(f"--inject {inj.spec!r}: rank {inj.rank} does not exist; "
                             f"this run has ranks 0..{processes - 1}.")

@@ -48,8 +48,8 @@ TOKEN = "RKIT_STANDBY_TOKEN"
 IMPORT_SECONDS = "RKIT_STANDBY_IMPORT_SECONDS"  # how long the standby's imports took (agent.started reports it)
 WARM = "RKIT_WARM"  # set in the rank's environment when it started as a standby
 # What changes with every attempt: all an order may set (a standby started under any other environment is cold).
-PER_ATTEMPT = ("RKIT_ATTEMPT", "RKIT_RANK", "RKIT_NODE_INDEX", "RKIT_COORDINATOR", "RKIT_INJECT",
-               "RKIT_SUPERVISOR_FD", "RKIT_SUPERVISOR_TOKEN", "RKIT_STANDBY_READY_FD")
+PER_ATTEMPT = ("RKIT_ATTEMPT", "RKIT_RANK", "RKIT_NODE_INDEX", "RKIT_NODE", "RKIT_NODES", "RKIT_COORDINATOR",
+               "RKIT_INJECT", "RKIT_SUPERVISOR_FD", "RKIT_SUPERVISOR_TOKEN", "RKIT_STANDBY_READY_FD")
 PROTOCOL = b"rkit-sb2"
 MAX_LINE = 256  # a challenge or a hello is shorter
 

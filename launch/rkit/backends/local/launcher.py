@@ -22,6 +22,7 @@ from rkit.backends.base import Handle, RankExit, wait_for_dump
 from rkit.backends.local.standby import StandbyPool
 from rkit.contract.heartbeat import JAX_HEARTBEAT_ENV
 from rkit.contract.rundir import RunDir, open_for_writing, write_atomic
+from rkit.runtime.trainers.localtier import NODE_ENV, NODES_ENV
 
 
 @dataclass(frozen=True)
@@ -118,11 +119,14 @@ class LocalBackend:
                 host_env: dict[str, str] | None = None) -> LaunchRequest:
         """`base_env` is what the training process sees; `host_env` what a container runtime needs."""
         coordinator = f"127.0.0.1:{port or free_port()}"
+        nodes = tuple(self.healthy_nodes()[: -(-processes // self.per_node)]) if self.node_count > 1 else ()
         ranks = []
         for rank in range(processes):
             env = dict(base_env)
             env.update({"RKIT_RANK": str(rank), "RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": coordinator,
                         "PYTHONUNBUFFERED": "1"})
+            if nodes:  # each rank's virtual node, and the attempt's (the node-local tier's folders follow them)
+                env.update({NODE_ENV: nodes[rank // self.per_node], NODES_ENV: ",".join(nodes)})
             if self.jax_heartbeat_seconds is not None:
                 env[JAX_HEARTBEAT_ENV] = str(self.jax_heartbeat_seconds)
             argv = ["-m", "rkit.runtime.agent", *trainer_args]
@@ -131,7 +135,6 @@ class LocalBackend:
             else:
                 argv = [self.python, *argv]
             ranks.append(RankLaunch(rank=rank, argv=argv, env=env, log=attempt_dir / RunDir.rank_log_name(rank)))
-        nodes = tuple(self.healthy_nodes()[: -(-processes // self.per_node)]) if self.node_count > 1 else ()
         return LaunchRequest(attempt=attempt, ranks=ranks, cwd=cwd, nodes=nodes)
 
     def submit(self, request: LaunchRequest) -> LocalAttempt:

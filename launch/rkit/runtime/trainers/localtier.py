@@ -1,24 +1,24 @@
-"""The node-local checkpoint tier (`checkpoint.local_dir`): MaxText's emergency checkpointing, built so that it
-works, and rkit's records of what each tier holds.
+"""The node-local checkpoint tier (`checkpoint.local_dir`): rkit's records of what each tier holds, and each
+rank's side of it (LocalTier); the hook into MaxText's emergency checkpointing, built so that it works, is
+emergency.py.
 
 MaxText 0.2.5's `enable_emergency_checkpoint` builds Orbax's emergency.CheckpointManager: the first data-parallel
 replica saves every `checkpoint_period` steps to the shared run directory (the persistent tier), every other
 replica every `local_checkpoint_period` steps to its own node's storage (the local tier); a restore takes the
-newest step that one replica holds whole, from local storage, else the newest persistent step. As MaxText builds
-it, it does not work (ci/studies/orbax-local-tier/README.md); `hook` carries the four fixes:
+newest step that one replica holds whole, from local storage, else the newest persistent step.
 
-1. Orbax's process-id maps after jax.distributed (MaxText sets them up only for hardware=gpu_multiprocess);
-2. a local directory per process (MaxText makes <local>/<process> only on GPUs: processes sharing one fail);
-3. `replica_axis_index` = MaxText's `data` mesh axis (MaxText passes none, so Orbax takes axis 0, diloco, of size
-   1, sees one replica and silently keeps no local checkpoints);
-4. typed PRNG keys saved and restored as their raw data (Orbax's local restore broadcasts each leaf with jnp.sum,
-   which refuses MaxText's `key<urbg>` leaves, and the processes then hang in jax.distributed's shutdown).
-
-And two of rkit's own: after a restore of step S every process deletes its local steps newer than S (a replica
-left holding a newer step skips saving it while the others save it: a deadlock in the next save's collective);
-each rank records its committed local steps in <run>/checkpoints/local-tier/rank-<r>.json, so that the
-supervisor (which cannot read another node's disk) counts them as committed, `rkit status` says which tier each
-step is in, and a restore from an older step than the local tier had is said (`checkpoint.restored`), not silent.
+rkit's own: a process's local folder is named by what stays the same when other nodes leave, its node and local rank
+(`<node>-<local rank>`), so that after a node is lost each survivor, at whatever process index it now has, finds its
+own steps (a replica holds the whole state and a node's processes keep their order, so the restoring replica reads
+them in the current mesh: emergency.py, fix 5); after a restore of step S every process deletes its local steps
+newer than S (a replica left holding a newer step skips saving it while the others save it: a deadlock in the next
+save's collective); each process records its committed local steps in <run>/checkpoints/local-tier/<node>-<local
+rank>.json, so that the supervisor (which cannot read another node's disk) counts them as committed, `rkit status`
+says which tier each step is in, and a restore from an older step than the local tier had is said
+(`checkpoint.restored`), not silent. A restore that fails is a corrupt step only on evidence (the step's files fail
+the check again, or the error names them); the final step counts only in the run directory (a local copy of it is
+moved aside at the next start, and the step trained again so that its save reaches the run directory); folders no
+current process maps to, and old quarantined steps, are removed once the run directory holds a newer step.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import re
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,15 +35,18 @@ from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.contract.safeio import load_json
-from rkit.runtime.trainers import datapos
-from rkit.runtime.trainers.orbaxdirs import committed_in, local_step_problem, step_dirs_in
+from rkit.runtime.trainers.orbaxdirs import committed_in, local_step_problem, step_dirs_in, step_problem
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from rkit.contract.config import Config
 
-RECORD_PREFIX = "rank-"
+NODE_ENV = "RKIT_NODE"  # the local launcher's virtual node of a rank (on Slurm: SLURMD_NODENAME)
+NODES_ENV = "RKIT_NODES"  # the local launcher's virtual nodes of the attempt, comma-separated
+QUARANTINE = "quarantine"
+KEEP_QUARANTINED = 4  # local steps kept aside for a post-mortem, per node's run directory
+FINAL_WAIT_SECONDS = 600.0  # at its end, how long a process waits for the first replica's final save to commit
 DATA_AXIS = "data"  # MaxText's data-parallel axis whose every index holds the whole state (fsdp shards it)
 KEEP = 2  # local steps each process keeps: a damaged newest still leaves one
 
@@ -73,6 +75,28 @@ def expand(local_dir: str, environ: dict[str, str] | os._Environ | None = None) 
     return path
 
 
+def node_key(environ: dict[str, str] | os._Environ, rank: int) -> str:
+    """The local folder (and record) of a process: its node and local rank, which stay the same when other
+    nodes leave and the process indexes move."""
+    from rkit.runtime.devices import local_rank
+    from rkit.runtime.telemetry.node import node_name
+
+    node = environ.get(NODE_ENV) or node_name(environ)
+    return f"{node}-{local_rank(dict(environ), rank)}"
+
+
+def live_keys(environ: dict[str, str] | os._Environ, rank: int) -> set[str]:
+    """The folders the attempt's processes on the nodes this process can see map to: the attempt's virtual
+    nodes' (local launcher), else this node's, each local rank."""
+    from rkit.runtime.devices import PER_NODE_ENV
+    from rkit.runtime.telemetry.node import node_name
+
+    nodes = [n for n in environ.get(NODES_ENV, "").split(",") if n] or \
+        [environ.get(NODE_ENV) or node_name(environ)]
+    per_node = max(1, int(environ.get(PER_NODE_ENV) or 1))
+    return {f"{node}-{lr}" for node in nodes for lr in range(per_node)} | {node_key(environ, rank)}
+
+
 def run_root(local_dir: str, run: RunDir, environ: dict[str, str] | os._Environ | None = None) -> Path:
     """This run's directory in the node's local storage; Orbax keeps one directory per process under it."""
     return expand(local_dir, environ) / f"rkit-{run.name}"
@@ -88,8 +112,18 @@ def binds(config: Config) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ records (host side: the shared run directory)
 
-def record_path(run: RunDir, rank: int) -> Path:
-    return run.local_tier_dir / f"{RECORD_PREFIX}{rank}.json"
+def record_path(run: RunDir, key: str) -> Path:
+    return run.local_tier_dir / f"{key}.json"
+
+
+def forget(run: RunDir, nodes: list[str] | tuple[str, ...]) -> list[str]:
+    """The records of nodes the run left out (excluded, lost): their steps are on disks no attempt reads."""
+    gone = []
+    for rec in records(run):
+        if rec.get("node") in nodes and isinstance(rec.get("key"), str):
+            record_path(run, rec["key"]).unlink(missing_ok=True)
+            gone.append(rec["key"])
+    return gone
 
 
 # records() per directory: its mtime when read, and what was read. The supervisor asks every poll (0.1 s) and a
@@ -101,7 +135,8 @@ RECENT_SECONDS = 2.0
 
 
 def records(run: RunDir) -> list[dict]:
-    """Each rank's last record of its local tier: rank, node, process, replica, replica_size, steps, path."""
+    """Each process's last record of its local tier: key, node, local_rank, rank, process, replica,
+    replica_size, steps, path."""
     try:
         seen = os.stat(run.local_tier_dir)
     except OSError:
@@ -112,7 +147,7 @@ def records(run: RunDir) -> list[dict]:
         return cached[1]
     found = []
     try:
-        paths = sorted(run.local_tier_dir.glob(f"{RECORD_PREFIX}*.json"))
+        paths = sorted(run.local_tier_dir.glob("*.json"))
     except OSError:
         return []
     for path in paths:
@@ -159,8 +194,12 @@ class LocalTier:
     """One rank's side of the local tier: the hooks into MaxText and Orbax, and its record."""
 
     def __init__(self, run: RunDir, attempt: int, rank: int, final_step: int, root: Path,
-                 emit: Callable[..., Any]):
+                 emit: Callable[..., Any], environ: dict[str, str] | os._Environ | None = None):
         self.run, self.attempt, self.rank, self.root, self.emit = run, attempt, rank, root, emit
+        env = os.environ if environ is None else environ
+        self.key, self.live = node_key(env, rank), live_keys(env, rank)
+        self.node = self.key.rpartition("-")[0]
+        self.on_restore: list[Callable[[int], Any]] = []  # called as this process begins a restore (injections)
         self.final_step = final_step
         self.last_step: int | None = None  # the newest step this process trained
         self.process_dir: Path | None = None
@@ -185,13 +224,40 @@ class LocalTier:
         if steps == self._seen:
             return
         self._seen = steps
-        from rkit.runtime.telemetry.node import node_name
-
         self.run.local_tier_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(record_path(self.run, self.rank), {
-            "rank": self.rank, "node": node_name(), "process": self.process, "replica": self.replica,
-            "replica_size": self.replica_size, "steps": steps, "path": str(self.process_dir),
-            "attempt": self.attempt, "t": time.time()})
+        write_json_atomic(record_path(self.run, self.key), {
+            "key": self.key, "node": self.node, "local_rank": int(self.key.rpartition("-")[2]), "rank": self.rank,
+            "process": self.process, "replica": self.replica, "replica_size": self.replica_size, "steps": steps,
+            "path": str(self.process_dir), "attempt": self.attempt, "t": time.time()})
+        self.tidy()
+
+    def tidy(self) -> list[str]:
+        """Folders under this node's run directory that no process of the attempt maps to (a lost node's, on a
+        disk nodes share; a layout's before a change) and quarantined steps beyond the newest KEEP_QUARANTINED,
+        removed once the run directory holds a step newer than all they hold: no restore can pick them then."""
+        persistent = committed_in(self.run.orbax_dir)
+        if not persistent:
+            return []
+        gone = []
+        try:
+            children = [c for c in self.root.iterdir() if c.is_dir() and not c.is_symlink()]
+        except OSError:
+            return []
+        for child in children:
+            if child.name in self.live or child.name == QUARANTINE:
+                continue
+            if all(step < persistent[-1] for step in step_dirs_in(child)):
+                shutil.rmtree(child, ignore_errors=True)
+                gone.append(child.name)
+        aside = self.root / QUARANTINE
+        try:
+            kept = sorted((c for c in aside.iterdir() if c.is_dir()), key=lambda c: c.stat().st_mtime, reverse=True)
+        except OSError:
+            kept = []
+        for old in kept[KEEP_QUARANTINED:]:
+            shutil.rmtree(old, ignore_errors=True)
+            gone.append(f"{QUARANTINE}/{old.name}")
+        return gone
 
     def wait_and_observe(self) -> None:
         """Pending local saves finished, then recorded (an injection that loses the local data waits for it)."""
@@ -205,12 +271,23 @@ class LocalTier:
         if self.process_dir is not None:
             shutil.rmtree(self.process_dir, ignore_errors=True)
 
-    def finish(self) -> None:
-        """This process ends normally having trained the run's final step (whose save goes to the run directory,
-        from the first replica): its local checkpoints have served and are removed (its record then lists none).
-        A preempted process (stopped before the final step) keeps them."""
+    def finish(self, wait_seconds: float = FINAL_WAIT_SECONDS) -> None:
+        """This process ends normally having trained the run's final step: once the run directory holds that
+        step (the first replica's save, which may still be committing), its local checkpoints have served and are
+        removed (its record then lists none). Until then they are kept: when the run directory refused the final
+        save they are the newest copy (the next attempt trains the final step again from them). A preempted
+        process (stopped before the final step) keeps them."""
         if self.process_dir is None or self.last_step is None or self.last_step < self.final_step:
             return
+        deadline = time.monotonic() + wait_seconds
+        while self.final_step not in committed_in(self.run.orbax_dir):
+            if time.monotonic() > deadline:
+                sys.stderr.write(f"rkit: the run directory has no committed step {self.final_step} after "
+                                 f"{wait_seconds:.0f} s: this process keeps its local checkpoints "
+                                 f"({self.process_dir})\n")
+                sys.stderr.flush()
+                return
+            time.sleep(0.5)
         shutil.rmtree(self.process_dir, ignore_errors=True)
         self.observe()
         try:
@@ -228,18 +305,24 @@ class LocalTier:
 
     def check(self) -> None:
         """Each local step Orbax would see but could not restore is moved to <local>/quarantine/ (a
-        `checkpoint.quarantined` event with tier local)."""
+        `checkpoint.quarantined` event with tier local); so is a local copy of the final step while the run
+        directory lacks it: a run is finished only when its final step is there ($SLURM_TMPDIR goes with the
+        job), so the step is trained again from the previous one and saved there."""
         assert self.process_dir is not None
+        final_kept = self.final_step in committed_in(self.run.orbax_dir)
         for step, path in sorted(step_dirs_in(self.process_dir).items(), reverse=True):
             problem = local_step_problem(path)
+            if problem is None and step >= self.final_step and not final_kept:
+                problem = (f"the final step {step} is held only by the local tier (the run directory lacks it): it "
+                           "is trained again from the previous step, so that its save reaches the run directory")
             if problem is not None:
                 self.quarantine(step, path, problem)
 
     def quarantine(self, step: int, path: Path, problem: str) -> None:
-        target = self.root / "quarantine" / f"{self.process}-{step}"
+        target = self.root / QUARANTINE / f"{self.key}-{step}"
         n = 2
         while target.exists():
-            target = self.root / "quarantine" / f"{self.process}-{step}-{n}"
+            target = self.root / QUARANTINE / f"{self.key}-{step}-{n}"
             n += 1
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target)
@@ -247,12 +330,26 @@ class LocalTier:
                   attempt=self.attempt, moved_to=str(target))
         self.observe()
 
-    def restore_failed(self, step: int, exc: BaseException) -> None:
-        """Orbax could not restore this process's local step (a data file damaged where the files look whole):
-        the step is moved aside, so that the next attempt restores from another replica or the run directory."""
-        path = step_dirs_in(self.process_dir).get(step)
-        if self.restored_tier == "local" and path is not None:
-            self.quarantine(step, path, f"the restore failed: {type(exc).__name__}: {str(exc)[:300]}")
+    def restore_failed(self, step: int, exc: BaseException) -> bool:
+        """Whether a failed restore is this step's damage, on evidence: the step's files fail the check again,
+        or the error (not one of memory, a connection or a peer) names them. Then a local step is moved aside,
+        so that the next attempt restores from another replica or the run directory (a run directory's step, the
+        supervisor moves aside on the attempt's cause). Anything else (a
+        peer lost in the restore's collectives, memory, a passing I/O error) leaves the step alone: the attempt
+        fails as that, and the rank that failed first is named."""
+        if self.restored_tier == "persistent":  # the run directory's step: the supervisor moves it aside
+            path = step_dirs_in(self.run.orbax_dir).get(step)
+            return path is not None and (step_problem(path) is not None or names_files_of(exc, path))
+        path = step_dirs_in(self.process_dir).get(step) if self.process_dir is not None else None
+        if self.restored_tier != "local" or path is None:
+            return False
+        problem = local_step_problem(path)
+        if problem is None and names_files_of(exc, path):
+            problem = f"the restore failed: {type(exc).__name__}: {str(exc)[:300]}"
+        if problem is None:
+            return False
+        self.quarantine(step, path, problem)
+        return True
 
     # -- after a restore
 
@@ -287,146 +384,20 @@ class LocalTier:
         self.emit(EV.CHECKPOINT_RESTORED, **fields)
 
 
-def _replica_of(mesh: Any, axis: int) -> tuple[int, int]:
-    """This process's replica along `axis` and how many processes the replica spans; an RkitError when this
-    process's devices lie in more than one replica, or there are fewer than 2 replicas."""
-    import jax
-    import numpy as np
-
-    devices = np.asarray(mesh.devices)
-    mine = {i for i, d in np.ndenumerate(devices) if d.process_index == jax.process_index()}
-    replicas = {index[axis] for index in mine}
-    if len(replicas) != 1 or devices.shape[axis] < 2:
-        raise RkitError(f"checkpoint.local_dir: the mesh {dict(mesh.shape)} gives this process devices in "
-                        f"{len(replicas)} data-parallel replicas of {devices.shape[axis]}; the local tier needs "
-                        "2 or more replicas with each process in one: set ici_data_parallelism to the number of "
-                        "processes (or -1) and the other ici axes to what one process's devices hold.")
-    replica = replicas.pop()
-    members = {devices[index].process_index for index in np.ndindex(devices.shape) if index[axis] == replica}
-    return replica, len(members)
+NOT_THE_STEP = (MemoryError, ConnectionError, TimeoutError)
+PASSING_ERRNOS = (5, 11, 12, 110)  # EIO, EAGAIN, ENOMEM, ETIMEDOUT: the device or the moment, not the bytes
 
 
-def hook(tier: LocalTier) -> None:
-    """In the training environment, after jax.distributed and before MaxText's train.main: MaxText's emergency
-    manager built with the four fixes, its save and restore through raw PRNG keys, and rkit's records."""
-    import jax
-    import orbax.checkpoint as ocp
-    from etils import epath
-    from maxtext.common import emergency_checkpointing as ec
-    from orbax.checkpoint.experimental.emergency import checkpoint_manager as ecm
-
-    if getattr(ec.create_emergency_checkpoint_manager, "rkit_hooked", False):
-        return
-    if jax.process_count() > 1:  # fix 1
-        ocp.multihost.initialize_runtime_to_distributed_ids()
-        ocp.multihost.initialize_distributed_to_device_ids()
-    save0, restore0 = ec.save, ec.restore
-
-    def is_key(x: Any) -> bool:
-        return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-    def raw(x: Any) -> Any:  # fix 4
-        if not is_key(x):
-            return x
-        if isinstance(x, jax.ShapeDtypeStruct):
-            data = jax.eval_shape(jax.random.key_data, x)
-            sharding = None
-            if x.sharding is not None:
-                spec = x.sharding.spec
-                sharding = jax.sharding.NamedSharding(
-                    x.sharding.mesh, jax.sharding.PartitionSpec(*spec, *([None] * (data.ndim - x.ndim))))
-            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
-        return jax.random.key_data(x)
-
-    def as_dict(tree: Any) -> Any:
-        from flax import nnx
-        from maxtext.common import train_state_nnx
-
-        return train_state_nnx.to_checkpoint_dict(tree) if isinstance(tree, nnx.State) else tree
-
-    def create(local_checkpoint_dir, persistent_checkpoint_dir, global_mesh, abstract_state,
-               local_save_interval_steps, persistent_save_interval_steps, orbax_logger=None):
-        from absl import flags
-
-        flags.FLAGS.experimental_orbax_use_distributed_process_id = True
-        axis = list(global_mesh.axis_names).index(DATA_AXIS)  # fix 3
-        tier.replica, tier.replica_size = _replica_of(global_mesh, axis)
-        tier.process_dir = Path(local_checkpoint_dir) / str(jax.process_index())  # fix 2
-        tier.process_dir.mkdir(parents=True, exist_ok=True)
-        tier.check()
-        persistent = epath.Path(persistent_checkpoint_dir)
-        persistent.mkdir(exist_ok=True, parents=True)
-        options = ecm.CheckpointManagerOptions(
-            local=ecm.LocalCheckpointOptions(save_interval_steps=local_save_interval_steps, max_to_keep=KEEP),
-            persistent=ecm.PersistentCheckpointOptions(save_interval_steps=persistent_save_interval_steps),
-            replica_axis_index=axis)
-        tier.manager = ecm.CheckpointManager(
-            epath.Path(tier.process_dir), persistent, global_mesh=global_mesh,
-            abstract_state=jax.tree.map(raw, as_dict(abstract_state)), options=options, logger=orbax_logger)
-        return tier.manager
-
-    def save(checkpoint_manager, step, state, config, force):
-        # MaxText calls this on every process at a step either tier saves (or a forced, preemption save): each
-        # process's data position first, then the state's save
-        datapos.save(tier.run, int(step), jax.process_index(), jax.process_count())
-        if tier.rank == 0:
-            held = set(committed_in(tier.run.orbax_dir)) | {s for r in records(tier.run) for s in r["steps"]}
-            datapos.prune(tier.run, held)
-        return save0(checkpoint_manager, step, jax.tree.map(raw, as_dict(state)), config, force)
-
-    def restore(checkpoint_manager, step, abstract):
-        from flax import nnx
-
-        if isinstance(abstract, nnx.State):  # as MaxText's own restore does
-            abstract = abstract.to_pure_dict()
-        began = time.monotonic()
-        try:
-            restored = restore0(checkpoint_manager, step, jax.tree.map(raw, abstract))
-        except Exception as exc:
-            tier.restore_failed(int(step), exc)
-            traceback.print_exc()
-            # Said in the words ranklogs.RESTORE_FAILED reads (the attempt's cause: corrupt_checkpoint); then out at
-            # once: raised, the process would wait minutes in jax.distributed's shutdown for peers stuck in the
-            # restore's broadcast, and the attempt with it.
-            sys.stderr.write(f"rkit: Failed to restore step {step} from the {tier.restored_tier} tier "
-                             f"({type(exc).__name__}); this process exits now\n")
-            sys.stderr.flush()
-            os._exit(1)
-        seconds = time.monotonic() - began
-        if gone := tier.purge_newer(int(step)):
-            sys.stderr.write(f"rkit: removed this process's local checkpoints of steps {', '.join(map(str, gone))}, "
-                             f"newer than the restored step {int(step)} (holding them, it would skip saving those "
-                             "steps while its replica's other processes save them)\n")
-            sys.stderr.flush()
-        checkpoint_manager.reload()
-        checkpoint_manager.all_steps(read=True)  # every process: the step cache should_save reads, refreshed
-        tier.observe()
-        tier.restored(int(step), seconds, datapos.restore(tier.run, int(step), jax.process_index(),
-                                                          jax.process_count()))
-        return jax.tree.map(lambda a, r: jax.random.wrap_key_data(r, impl=a.dtype._impl) if is_key(a) else r,
-                            abstract, restored)
-
-    from_local, from_persistent = ecm._MultisliceCheckpointManager._restore_from_local, \
-        ecm._MultisliceCheckpointManager._restore_from_persistent
-
-    def restore_from_local(self, *args, **kwargs):
-        tier.restored_tier = "local"
-        return from_local(self, *args, **kwargs)
-
-    def restore_from_persistent(self, *args, **kwargs):
-        tier.restored_tier = "persistent"
-        return from_persistent(self, *args, **kwargs)
-
-    from maxtext.common import checkpointing
-
-    load0 = checkpointing.load_state_if_possible
-
-    def load_state_if_possible(checkpoint_manager, data_iterator, *args, **kwargs):
-        datapos.ITERATOR[0] = data_iterator  # restore() sets its position
-        return load0(checkpoint_manager, data_iterator, *args, **kwargs)
-
-    checkpointing.load_state_if_possible = load_state_if_possible
-    create.rkit_hooked = True  # type: ignore[attr-defined]
-    ec.create_emergency_checkpoint_manager, ec.save, ec.restore = create, save, restore
-    ecm._MultisliceCheckpointManager._restore_from_local = restore_from_local
-    ecm._MultisliceCheckpointManager._restore_from_persistent = restore_from_persistent
+def names_files_of(exc: BaseException, path: Path) -> bool:
+    """Whether an exception (or one it came from) is a read error on the step's own files: it names them, and
+    is not memory, a connection or a passing I/O error."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    named = False
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, NOT_THE_STEP) or (isinstance(link, OSError) and link.errno in PASSING_ERRNOS):
+            return False
+        named = named or str(path) in str(link)
+        link = link.__cause__ or link.__context__
+    return named

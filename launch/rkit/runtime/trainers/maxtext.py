@@ -112,6 +112,13 @@ def committed_steps(run: RunDir) -> list[int]:
     return committed_in(run.orbax_dir)
 
 
+def final_committed(run: RunDir, final_step: int) -> bool:
+    """Whether the run's final step is committed in the run directory: only there is a run finished (a final
+    step held only by the node-local tier is on disks the job's end may wipe: localtier.LocalTier.check)."""
+    steps = committed_steps(run)
+    return bool(steps) and steps[-1] >= final_step
+
+
 def latest_committed_step(run: RunDir) -> int | None:
     """The newest committed step in any tier: the run directory's, and the node-local tier's as its ranks
     recorded it (localtier.py: a step one data-parallel replica holds whole)."""
