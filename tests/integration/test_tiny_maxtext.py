@@ -787,56 +787,43 @@ def test_a_damaged_local_step_is_quarantined_and_the_previous_one_restored(works
           f"{newest - 2} from the local tier")
 
 
-def test_a_lost_first_node_leaves_each_survivor_its_own_newer_local_step(workspace: Path):
+def test_a_lost_first_node_leaves_each_survivor_its_own_local_step_and_a_peer_lost_in_the_restore_no_quarantine(
+        workspace: Path):
     # Three virtual nodes, one process each (three replicas: the first saves to the run directory, the others to
     # their node's storage every 2 steps). Node 0 is lost at step 15 with no spare: the attempt shrinks onto
     # nodes 1 and 2, now processes 0 and 1, and each finds the local steps its node saved as process 1 or 2.
+    # As attempt 2's restore begins, rank 1 is killed: rank 0's restore breaks off in the restore's collectives
+    # (its peer is gone), which is not the step's damage: nothing is quarantined, the attempt is rank 1's
+    # failure, and attempt 3 restores the same local step.
     run, local = local_tier_run(workspace, "local-node-lost", "-o", "resources.nodes=3",
                                 "-o", "resources.processes_per_node=1", "-o", "resources.min_nodes=2",
                                 "-o", "trainer.overrides.gradient_accumulation_steps=2",
-                                "--inject", "lose_node:rank=0,step=15")
+                                "--inject", "lose_node:rank=0,step=15", "--inject", "kill_restore:rank=1")
+    ended = events(run, "attempt.ended")
+    assert [(e["cause"], e["decision"]) for e in ended] == [("node_fail", "restart"), ("task_signal", "restart"),
+                                                          ("completed", "finish")], ended
+    assert ended[1]["detail"].startswith("rank 1 killed by SIGKILL before its first step"), ended[1]
+    assert not events(run, "checkpoint.quarantined")
+    said = [line for line in (run.attempt_dir(2) / "rank-0.log").read_text(errors="replace").splitlines()
+            if line.startswith("rkit: ") and "restore" in line]
+    assert not [line for line in said if "Failed to restore" in line], said
     [restored] = events(run, "checkpoint.restored")
     # the supervisor's injection fires once it reads step 15: the node's processes die a step or two later
-    assert restored["attempt"] == 2 and restored["tier"] == "local" and 12 <= restored["step"] <= 18, restored
+    assert restored["attempt"] == 3 and restored["tier"] == "local" and 12 <= restored["step"] <= 18, restored
     assert "lost_step" not in restored  # no "step N was lost"
     started = events(run, "attempt.started")
+    assert [s["nodes"] for s in started][1:] == [started[0]["nodes"][1:]] * 2
     assert 10 < started[1]["resume_from_step"] <= restored["step"]
-    assert [(e["cause"], e["decision"]) for e in events(run, "attempt.ended")] == [("node_fail", "restart"),
-                                                                                 ("completed", "finish")]
-    assert trained_steps(run, 2) == set(range(restored["step"] + 1, 30))
-    assert events(run, "run.finished") and final_loss(run) > 0
-    # the lost node's record is forgotten; its folder goes once the run directory is newer (here: the end)
-    assert not any(r["node"].endswith("node0") for r in localtier.records(run))
-    assert not local.exists() or not list(local.rglob("*"))
-    lost_after = events(run, "attempt.ended")[0]["detail"]
-    print(f"lost node 0 of 3 ({lost_after}): restored step {restored['step']} from the local tier in "
-          f"{restored['seconds']} s; today's code restored step 10 from the run directory")
-
-
-def test_a_peer_killed_during_a_local_restore_quarantines_nothing_and_is_named(workspace: Path):
-    # Three processes, three replicas: rank 1 crashes at step 19; attempt 2 restores the newest local step from
-    # replica 1 (rank 1), and rank 2 is killed as the restore begins. Rank 1's restore breaks off in the restore's
-    # collectives (its peer is gone): not the step's damage, so nothing is quarantined, the attempt is rank 2's
-    # failure, and attempt 3 restores the same step.
-    run, _ = local_tier_run(workspace, "local-peer-restore", "-o", "resources.processes_per_node=3",
-                            "--inject", "kill:rank=1,step=19", "--inject", "kill_restore:rank=2")
-    assert not events(run, "checkpoint.quarantined")
-    ended = events(run, "attempt.ended")
-    assert [e["cause"] for e in ended] == ["task_signal", "task_signal", "completed"], ended
-    assert ended[1]["detail"].startswith("rank 2 killed by SIGKILL before its first step"), ended[1]
-    [restored] = events(run, "checkpoint.restored")
-    assert restored["attempt"] == 3 and restored["tier"] == "local" and 12 <= restored["step"] <= 18, restored
-    assert events(run, "attempt.started")[1]["resume_from_step"] <= restored["step"]
     assert trained_steps(run, 3) == set(range(restored["step"] + 1, 30))
-    said = [line for r in (0, 1) for line in (run.attempt_dir(2) / f"rank-{r}.log").read_text(
-        errors="replace").splitlines() if line.startswith("rkit: ") and "restore" in line]
-    assert not [line for line in said if "Failed to restore" in line], said
-    print(f"peer killed in the restore: attempt 2 {ended[1]['detail']!r}; the others said {said}; restored step "
-          f"{restored['step']} from the local tier in attempt 3")
+    assert events(run, "run.finished") and final_loss(run) > 0
+    # the lost node's record is forgotten; the survivors' folders are named by node, not by their new index
+    assert sorted(r["key"] for r in localtier.records(run)) == [f"{n}-0" for n in started[0]["nodes"][1:]]
+    assert not local.exists() or not list(local.rglob("*"))  # served: removed at the end
+    print(f"lost node 0 of 3 ({ended[0]['detail']}), then {ended[1]['detail']!r} (rank 0 said {said}): restored "
+          f"step {restored['step']} from the local tier in {restored['seconds']} s")
 
 
-def test_a_final_step_the_run_directory_could_not_take_does_not_finish_the_run(workspace: Path,
-                                                                             local_baseline: RunDir):
+def test_a_final_step_the_run_directory_could_not_take_does_not_finish_the_run(workspace: Path):
     # The run directory's checkpoints on a tmpfs, made read-only once step 20 is committed: the final save
     # (step 29) fails there while the local replica holds its steps. Not finished; resumed once it is writable,
     # the run trains the last steps again from the local tier and saves step 29 in the run directory.
