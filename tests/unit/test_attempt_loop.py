@@ -18,6 +18,7 @@ from rkit.images.identity import ImageIdentity
 from rkit.images.store import sha256_file
 from rkit.readers import outcome
 from rkit.recipe.load import load_recipe
+from rkit.run.attemptwatch import PEER_GRACE_SECONDS
 from rkit.run.policy import Cause, Progress, RunState
 from rkit.run.supervisor import Supervisor
 from rkit.runtime.trainers import maxtext
@@ -48,6 +49,7 @@ class FakeHandle(Handle):
     silent: set[int] = field(default_factory=set)  # hung ranks: alive, no progress
     saving: bool = False
     polled: bool = False
+    late: dict[int, list] = field(default_factory=dict)  # rank -> [polls until its exit is seen, the exit]
 
     def pids(self) -> dict[str, int]:
         return {str(r): 10_000 + r for r in self.step}
@@ -125,6 +127,11 @@ class FakeBackend:
                                "jax.errors.JaxRuntimeError: UNKNOWN: Failed to start RPC server\n")
                 handle.exits[0] = RankExit(0, 1)
                 handle.silent.add(1)
+        for rank, due in list(handle.late.items()):
+            due[0] -= 1
+            if due[0] <= 0:
+                handle.exits[rank] = due[1]
+                del handle.late[rank]
         for rank in list(handle.step):
             if rank in handle.exits or handle.silent:  # a silent rank blocks its peers in the next collective
                 continue
@@ -139,6 +146,9 @@ class FakeBackend:
                 handle.exits[rank] = RankExit(rank, code[0], "n1")
             elif rank == 0 and (raced := self.script.at("peerrace", handle.attempt, step)):
                 peer_race(self.run, handle, step, raced[0])
+            elif rank == 0 and (lag := self.script.at("peerlag", handle.attempt, step)):
+                peer_lag(self.run, handle, step, lag[0])
+                self.peer_failed_at = self.sup_ref[0].clock.now
             elif rank == 0 and self.script.at("peeronly", handle.attempt, step):
                 peer_race(self.run, handle, step, (handle.attempt,), silent=True)
             elif rank == 1 and (said := self.script.at("raise", handle.attempt, step)):
@@ -238,6 +248,20 @@ def peer_race(run: RunDir, handle: FakeHandle, step: int, raced: tuple[int, ...]
     else:
         handle.exits[0] = RankExit(0, 3, "n1")
         handle.exits[1] = RankExit(1, -signal.SIGKILL, "n2", ended_by_launcher=True)
+
+
+def peer_lag(run: RunDir, handle: FakeHandle, step: int, polls: int) -> None:
+    """Rank 1 is SIGKILLed after saying why; rank 0's collective breaks and it exits 1 blaming a peer, and its
+    exit is seen first: rank 1's (through a container runtime, under load) only `polls` polls later."""
+    broke = f"Traceback (most recent call last):\n{PEER_WORDS.format(port=57000)}"
+    killed = f"rkit: injected fault 'kill:rank=1,step={step + 1}' fires at step {step + 1}"
+    for rank, said in ((0, broke), (1, killed)):
+        log = run.rank_log(handle.attempt, rank)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"I1203 completed step: {step}\n{said}\n")
+    handle.exits[0] = RankExit(0, 1, "n1")
+    handle.silent.add(1)
+    handle.late[1] = [polls, RankExit(1, -signal.SIGKILL, "n2")]
 
 
 def commit(run: RunDir, step: int) -> None:
@@ -521,6 +545,24 @@ def test_a_crash_loop_is_seen_whichever_of_two_failing_ranks_srun_names_first(tm
     last = ("rank 0 failed (the launcher ended it with SIGTERM once rank 1 exited with code 134) after step 6"
             if 2 in raced else "rank 0 exited with code 3 after step 6")
     assert f"{last}: {OWN_WORDS.format(step=7)}" in gave_up
+
+
+def test_a_rank_blaming_its_peer_waits_for_the_peers_own_exit_to_name_the_culprit(tmp_path):
+    # The image test on CI (stop 47): rank 0 exited 1 on the broken collective before rank 1's SIGKILL was seen,
+    # and the attempt was put down to rank 0 (task_exit) instead of the kill.
+    sup, backend = make(tmp_path, Script(peerlag=(1, 6, 3)))
+    outcome = attempt(sup)
+    assert (outcome.cause, outcome.rank, outcome.step) == (Cause.TASK_SIGNAL, 1, 5)  # its own last step
+    assert outcome.error == "rkit: injected fault 'kill:rank=1,step=7' fires at step 7"
+    assert backend.stops == [0]
+
+
+def test_a_peer_that_never_exits_holds_the_verdict_only_for_the_grace(tmp_path):
+    sup, backend = make(tmp_path, Script(peerlag=(1, 6, 10_000)))
+    outcome = attempt(sup)  # rank 1 never seen to exit: after PEER_GRACE_SECONDS the verdict is rank 0's
+    assert (outcome.cause, outcome.rank) == (Cause.TASK_EXIT, 0) and "Connection reset by peer" in outcome.error
+    waited = sup.clock.now - backend.peer_failed_at
+    assert PEER_GRACE_SECONDS <= waited < 3 * PEER_GRACE_SECONDS, waited
 
 
 def test_a_sigkill_the_launcher_sent_is_not_read_as_the_oom_killers(tmp_path, monkeypatch):

@@ -40,6 +40,10 @@ class Watcher(Protocol):
 
 # The failed ranks' logs read for the culprit of a failed attempt (the first of them in the order noticed).
 CULPRIT_LOGS = 64
+# A failed rank that says only that a peer went away, with ranks still running: how long the peer's own exit may
+# lag behind it (a rank in a container is reaped by its runtime a moment after its peers see the reset, and under
+# load the peer's exit is noticed after theirs). Measured: under 0.5 s quiet, seconds beside a CPU-heavy job.
+PEER_GRACE_SECONDS = 10.0
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
 FULL_BYTES = 1 << 20
 
@@ -105,6 +109,8 @@ class AttemptWatch:
     resumed_from: int | None = None
     first_step_seen: bool = False
     oom: OomWatch = field(default_factory=OomWatch)  # the OOM-kill counters at the attempt's start
+    peer_words: dict[int, bool] = field(default_factory=dict)  # failed rank -> its log blames a peer
+    peer_wait_since: float | None = None
 
     def __post_init__(self) -> None:
         sup = self.sup
@@ -171,6 +177,24 @@ class AttemptWatch:
             order = 2 if said is not None else (3 if rank_exit.ended_by_launcher else 1)
             ranked.setdefault(order, (rank_exit, said, oom))
         return ranked[min(ranked)]  # `failed` is never empty: the supervisor asks once a rank failed
+
+    def culprit_may_lag(self, failed: list[RankExit], everyone_exited: bool) -> bool:
+        """Whether to hold the verdict on a failed attempt for a moment: every rank that failed so far says only
+        that a peer went away, and the peer (still counted as running) has not been seen to exit. Judged now, a
+        survivor would be named for the peer's failure (a task_exit for a SIGKILL). At most `PEER_GRACE_SECONDS`
+        from the first such poll; each failed rank's log is read once for it."""
+        if not failed or everyone_exited:
+            return False
+        for rank_exit in failed[:CULPRIT_LOGS]:
+            if rank_exit.rank not in self.peer_words:
+                said, oom = self.failure(rank_exit)
+                self.peer_words[rank_exit.rank] = oom is None and said is not None and bool(PEER_FAILED.search(said))
+            if not self.peer_words[rank_exit.rank]:
+                return False
+        now = self.sup.clock()
+        if self.peer_wait_since is None:
+            self.peer_wait_since = now
+        return now - self.peer_wait_since < PEER_GRACE_SECONDS
 
     def jax_peer_lost(self, force: bool) -> str | None:
         """A rank's log line saying JAX's coordination service declared a process dead."""

@@ -288,6 +288,11 @@ class Supervisor:
                 for note in self.backend.standby.check():
                     self.run.emit(EV.STANDBY, attempt=attempt, **note)
             dead = self._liveness(attempt, watch) if ending is None else {}
+            if ending is None and not (dead or self._interrupted or handle.failed_nodes or handle.launch_failed) \
+                    and watch.culprit_may_lag([e for e in exits.values() if e.returncode != 0],
+                                              everyone_exited=len(exits) >= self.processes):
+                time.sleep(self.poll_seconds)  # the peer a failed rank blames is about to be seen exiting
+                continue
             if ending is None:
                 self._fire(handle, attempt, watch.progress.step)
                 observed = self._observe(handle, watch, exits, sigterm_at, dead)
