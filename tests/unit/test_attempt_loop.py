@@ -113,12 +113,24 @@ class FakeBackend:
     def poll(self, handle: FakeHandle) -> dict[int, RankExit]:
         if not handle.polled:
             handle.polled = True
-            if self.script.at("restorefail", handle.attempt, -1):  # rank 0 logs the restore error and waits
+            if said := self.script.at("restorefail", handle.attempt, -1):  # rank 0 logs the restore error
                 log = self.run.rank_log(handle.attempt, 0)
                 log.parent.mkdir(parents=True, exist_ok=True)
-                log.write_text("I1130 restoring\nE1130 ValueError: DATA_LOSS: Error reading shard entry "
-                               "d/7f3a: file missing\n")
-                handle.silent.add(0)
+                error = "E1130 ValueError: DATA_LOSS: Error reading shard entry d/7f3a: file missing\n"
+                step = maxtext.latest_committed_step(self.run)
+                if said is True:  # MaxText's own restore (no local tier): the error, then it waits
+                    log.write_text(f"I1130 restoring\n{error}")
+                    handle.silent.add(0)
+                else:  # the local tier's hook says what it found first (emergency.py), then exits
+                    verdict = {"local": f"{error}rkit: Failed to restore step {step} from the local tier "
+                                        "(ValueError); this process exits now\n",
+                               "broken": f"rkit: the restore of step {step} from the local tier was broken off by "
+                                         "JaxRuntimeError: Gloo broadcast failed (the step's files check whole: it "
+                                         f"stays); this process exits now\nTraceback (most recent call last):\n"
+                                         f"{error}"}[said[0]]
+                    log.write_text(f"I1130 restoring\n{verdict}")
+                    handle.exits[0] = RankExit(0, 1, "n1")
+                    handle.silent.add(1)
             if self.script.at("portinuse", handle.attempt, -1):  # rank 0 cannot listen and exits; rank 1 waits
                 log = self.run.rank_log(handle.attempt, 0)
                 log.parent.mkdir(parents=True, exist_ok=True)
@@ -674,6 +686,25 @@ def test_a_checkpoint_that_fails_to_restore_is_quarantined_and_the_previous_one_
     assert [(q["step"], q["moved_to"]) for q in quarantined] == [(8, "checkpoints/quarantine/8")]
     assert [e["resume_from_step"] for e in events(sup.run, EV.ATTEMPT_STARTED)] == [None, 8, 4]
     assert not events(sup.run, EV.ATTEMPT_HANG) and (sup.run.checkpoints / "quarantine" / "8").is_dir()
+
+
+def test_a_local_copy_that_fails_to_restore_leaves_the_run_directorys_step_of_that_number_alone(tmp_path):
+    # The rank moved its damaged local copy of step 8 aside itself: the run directory's step 8 is not suspect.
+    sup, _ = make(tmp_path, Script(kill=(1, 9), restorefail=(2, -1, "local")))
+    assert sup.run_to_end() is RunState.FINISHED
+    assert [e["cause"] for e in events(sup.run, EV.ATTEMPT_ENDED)] == ["task_signal", "corrupt_checkpoint",
+                                                                       "completed"]
+    assert not events(sup.run, EV.CHECKPOINT_QUARANTINED) and (sup.run.orbax_dir / "8").is_dir()
+    assert [e["resume_from_step"] for e in events(sup.run, EV.ATTEMPT_STARTED)] == [None, 8, 8]
+
+
+def test_a_restore_broken_off_by_a_peer_is_a_task_failure_whatever_its_traceback_says(tmp_path):
+    sup, _ = make(tmp_path, Script(kill=(1, 9), restorefail=(2, -1, "broken")))
+    assert sup.run_to_end() is RunState.FINISHED
+    ended = events(sup.run, EV.ATTEMPT_ENDED)
+    assert [e["cause"] for e in ended] == ["task_signal", "task_exit", "completed"]
+    assert ended[1]["detail"].startswith("rank 0 exited with code 1 before its first step")
+    assert not events(sup.run, EV.CHECKPOINT_QUARANTINED) and (sup.run.orbax_dir / "8").is_dir()
 
 
 def test_a_step_directory_without_its_commit_marker_is_moved_aside_before_the_attempt(tmp_path):

@@ -296,6 +296,21 @@ def test_folders_no_process_maps_to_and_old_quarantine_are_removed_once_the_run_
     assert len(list((t.root / "quarantine").iterdir())) == localtier.KEEP_QUARANTINED
 
 
+def test_on_slurm_a_node_removes_only_its_own_stale_folders(tmp_path: Path):
+    # local_dir on a disk the nodes share: another node's folder may belong to a live process (an empty one just
+    # made, one with only a save in progress); this node knows only its own local ranks.
+    run = RunDir(tmp_path / "run")
+    env = {"SLURMD_NODENAME": "gpu07", "SLURM_LOCALID": "0", "RKIT_PROCS_PER_NODE": "1"}
+    t = localtier.LocalTier(run, 2, 0, 29, tmp_path / "node" / "rkit-run", lambda event, **f: None, environ=env)
+    t.process_dir = t.root / t.key
+    t.process_dir.mkdir(parents=True)
+    other = t.root / "gpu08-0"
+    other.mkdir()
+    own = local_step(t.root / "gpu07-1" / "4").parent  # this node's, from a layout of 2 processes per node
+    persistent(run, 10)
+    assert t.tidy() == ["gpu07-1"] and not own.exists() and other.is_dir() and t.process_dir.is_dir()
+
+
 def test_records_of_a_left_out_node_are_forgotten(tmp_path: Path):
     run = RunDir(tmp_path / "run")
     record(run, 1, 1, 1, [14])

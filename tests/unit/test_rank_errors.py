@@ -120,3 +120,21 @@ def test_a_fifo_in_place_of_a_rank_log_says_nothing_and_never_waits(tmp_path):
     os.mkfifo(fifo)  # no writer: a blocking open would wait forever
     assert rank_error(fifo) is None and last_error_lines(fifo) == []
     assert LogScan([fifo], clock=lambda: 0.0).scan(force=True) == {}
+
+
+def test_a_ranks_own_word_on_its_restore_is_read_before_its_tracebacks(tmp_path):
+    from rkit.run.ranklogs import LogScan
+
+    damaged, broken, plain = (tmp_path / f"rank-{r}.log" for r in range(3))
+    damaged.write_text("Traceback (most recent call last):\nValueError: DATA_LOSS: Error reading shard\n"
+                       "rkit: Failed to restore step 24 from the local tier (ValueError); this process exits now\n")
+    broken.write_text("rkit: the restore of step 24 from the local tier was broken off by JaxRuntimeError: Gloo "
+                      "broadcast failed (the step's files check whole: it stays); this process exits now\n"
+                      "Traceback (most recent call last):\nValueError: DATA_LOSS: Error reading shard\n")
+    plain.write_text("E1130 ValueError: DATA_LOSS: Error reading shard entry d/7f3a: file missing\n")
+    scan = LogScan([broken], clock=lambda: 0.0)
+    assert scan.restore_failed(force=True) is None and scan.restore_verdict() is None
+    scan = LogScan([broken, damaged], clock=lambda: 0.0)
+    assert scan.restore_failed(force=True)[1] == damaged and scan.restore_verdict() == (24, "local")
+    scan = LogScan([plain], clock=lambda: 0.0)  # MaxText's own restore: no verdict, the run directory's step
+    assert scan.restore_failed(force=True)[1] == plain and scan.restore_verdict() is None

@@ -27,6 +27,11 @@ PORT_IN_USE = re.compile(rb"Failed to add port to server|Failed to start RPC ser
 JAX_PEER_LOST = re.compile(rb"stopped sending heartbeats|heartbeat timeout\. This indicates that the remote task")
 PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED, "port_in_use": PORT_IN_USE,
             "jax_peer_lost": JAX_PEER_LOST}
+# A rank's own verdict on its failed restore (runtime/trainers/emergency.py, with a local tier): the step was
+# damaged, and in which tier (the rank moved a local copy aside itself); or the restore was broken off by something
+# else (a peer lost, memory, I/O), printed before its traceback, whose lines then say nothing of the step.
+RESTORE_VERDICT = re.compile(rb"rkit: Failed to restore step (\d+) from the (local|persistent) tier")
+RESTORE_BROKEN_OFF = re.compile(rb"rkit: the restore of step \d+.* was broken off")
 # Orbax's record of a finished restore (its standard logger, through absl): the CheckpointManager's start time
 # (the rank's wall clock) and duration, e.g. `{'step': 240, 'event_type': 'restore', ...,
 # 'checkpoint_manager_start_time': 1796146611.46, 'checkpoint_manager_duration_secs': 0.12}`.
@@ -46,6 +51,9 @@ class LogScan:
         self._partial: dict[Path, bytes] = {}
         self._next = 0.0
         self.found: dict[str, tuple[str, Path]] = {}
+        self.restore_lines: dict[Path, str] = {}  # per log: its first line saying a restore failed
+        self.verdicts: dict[Path, tuple[int, str]] = {}  # per log: the rank's own verdict, (step, tier)
+        self.broken_off: set[Path] = set()  # logs whose rank said its restore was broken off, not damaged
         self.restores: dict[Path, tuple[float, float]] = {}  # per log: Orbax's restore, (start, end)
         self._restores_read = False  # restore_span was asked: later lines need not be searched for a restore
 
@@ -58,6 +66,12 @@ class LogScan:
                     for kind, pattern in PATTERNS.items():
                         if kind not in self.found and pattern.search(line):
                             self.found[kind] = (line.decode("utf-8", "replace").strip()[:400], path)
+                    if path not in self.restore_lines and RESTORE_FAILED.search(line):
+                        self.restore_lines[path] = line.decode("utf-8", "replace").strip()[:400]
+                    if path not in self.verdicts and (m := RESTORE_VERDICT.search(line)):
+                        self.verdicts[path] = (int(m[1]), m[2].decode())
+                    if RESTORE_BROKEN_OFF.search(line):
+                        self.broken_off.add(path)
                     if not self._restores_read and path not in self.restores and (m := RESTORED.search(line)):
                         try:
                             start, seconds = float(m[1]), float(m[2])
@@ -82,7 +96,16 @@ class LogScan:
         return hit[0] if hit else None
 
     def restore_failed(self, force: bool = False) -> tuple[str, Path] | None:
-        return self.scan(force).get("restore_failed")
+        """The first log saying a restore failed, of those whose rank did not say its restore was broken off
+        (a peer's loss, not the step's bytes: the attempt then fails as a task failure)."""
+        self.scan(force)
+        return next(((line, path) for path, line in self.restore_lines.items() if path not in self.broken_off),
+                    None)
+
+    def restore_verdict(self) -> tuple[int, str] | None:
+        """A rank's own word on which step failed to restore, and from which tier, as (step, tier); None where
+        no rank said (no local tier: MaxText's own restore)."""
+        return next((v for path, v in self.verdicts.items() if path not in self.broken_off), None)
 
     def port_in_use(self, force: bool = False) -> tuple[str, Path] | None:
         return self.scan(force).get("port_in_use")

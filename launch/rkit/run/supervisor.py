@@ -255,7 +255,11 @@ class Supervisor:
             self.backend.stop(handle, grace=0)
             raise
         if ending.cause is Cause.CORRUPT_CHECKPOINT and committed_before is not None:
-            preflight.quarantine(self.run, committed_before, ending.detail)
+            # The run directory's step, unless a rank said the step it failed on was its local copy (it moved
+            # that aside itself: the run directory's step of the same number is not suspect).
+            said = watch.logs.restore_verdict()
+            if said is None or said[1] == "persistent":
+                preflight.quarantine(self.run, committed_before if said is None else said[0], ending.detail)
         committed_after = maxtext.latest_committed_step(self.run)
         too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
         requeue = ending.requeue or too_few
@@ -288,7 +292,8 @@ class Supervisor:
                 for note in self.backend.standby.check():
                     self.run.emit(EV.STANDBY, attempt=attempt, **note)
             dead = self._liveness(attempt, watch) if ending is None else {}
-            if ending is None and not (dead or self._interrupted or handle.failed_nodes or handle.launch_failed) \
+            if ending is None and not (dead or self._interrupted or self._preempt or handle.failed_nodes
+                                       or handle.launch_failed) \
                     and watch.culprit_may_lag([e for e in exits.values() if e.returncode != 0],
                                               everyone_exited=len(exits) >= self.processes):
                 time.sleep(self.poll_seconds)  # the peer a failed rank blames is about to be seen exiting

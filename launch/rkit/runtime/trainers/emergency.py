@@ -139,12 +139,14 @@ def hook(tier: LocalTier) -> None:
                 sys.stderr.write(f"rkit: Failed to restore step {step} from the {tier.restored_tier} tier "
                                  f"({type(exc).__name__}); this process exits now\n")
             else:  # not the step's bytes: its files check whole and the error is another's
-                traceback.print_exc()
                 first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
                 source = f" from the {tier.restored_tier} tier" if tier.restored_tier else ""
+                # before the traceback, whose lines may read like a damaged step's (ranklogs.RESTORE_BROKEN_OFF)
                 sys.stderr.write(f"rkit: the restore of step {step}{source} was broken "
                                  f"off by {type(exc).__name__}: {first} (the step's files check whole: it stays); "
                                  "this process exits now\n")
+                sys.stderr.flush()
+                traceback.print_exc()
             sys.stderr.flush()
             os._exit(1)
         seconds = time.monotonic() - began

@@ -120,8 +120,9 @@ def forget(run: RunDir, nodes: list[str] | tuple[str, ...]) -> list[str]:
     """The records of nodes the run left out (excluded, lost): their steps are on disks no attempt reads."""
     gone = []
     for rec in records(run):
-        if rec.get("node") in nodes and isinstance(rec.get("key"), str):
-            record_path(run, rec["key"]).unlink(missing_ok=True)
+        key = rec.get("key")
+        if rec.get("node") in nodes and isinstance(key, str) and Path(key).name == key and key not in (".", ".."):
+            record_path(run, key).unlink(missing_ok=True)  # a key is a file name here, never a path elsewhere
             gone.append(rec["key"])
     return gone
 
@@ -198,6 +199,7 @@ class LocalTier:
         self.run, self.attempt, self.rank, self.root, self.emit = run, attempt, rank, root, emit
         env = os.environ if environ is None else environ
         self.key, self.live = node_key(env, rank), live_keys(env, rank)
+        self.sees_all = bool(env.get(NODES_ENV))  # the local launcher's virtual nodes: every live folder is known
         self.node = self.key.rpartition("-")[0]
         self.on_restore: list[Callable[[int], Any]] = []  # called as this process begins a restore (injections)
         self.final_step = final_step
@@ -232,9 +234,10 @@ class LocalTier:
         self.tidy()
 
     def tidy(self) -> list[str]:
-        """Folders under this node's run directory that no process of the attempt maps to (a lost node's, on a
-        disk nodes share; a layout's before a change) and quarantined steps beyond the newest KEEP_QUARANTINED,
-        removed once the run directory holds a step newer than all they hold: no restore can pick them then."""
+        """Folders under this node's run directory that no process of the attempt maps to (a lost virtual
+        node's, under the local launcher; a layout's before a change) and quarantined steps beyond the newest
+        KEEP_QUARANTINED, removed once the run directory holds a step newer than all they hold: no restore can
+        pick them then. On Slurm only this node's own folders: another node's may be live on a disk they share."""
         persistent = committed_in(self.run.orbax_dir)
         if not persistent:
             return []
@@ -244,7 +247,8 @@ class LocalTier:
         except OSError:
             return []
         for child in children:
-            if child.name in self.live or child.name == QUARANTINE:
+            if child.name in self.live or child.name == QUARANTINE or not (
+                    self.sees_all or child.name.startswith(f"{self.node}-") or child.name.isdigit()):
                 continue
             if all(step < persistent[-1] for step in step_dirs_in(child)):
                 shutil.rmtree(child, ignore_errors=True)
