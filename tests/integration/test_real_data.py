@@ -192,9 +192,10 @@ SHRINK_TOLERANCE = 0.005
 def test_a_shrink_and_a_grow_back_consume_the_same_tokens_at_every_step(data_workspace: Path):
     # The uninterrupted run on two (virtual) nodes; then the same recipe loses node 1 for good at step 12 (no spare:
     # attempt 2 trains on one process, twice the accumulation, from step 10), its rank fails at 23 with no restart
-    # left, and `--resume` grows it back to two processes from step 20.
+    # left, and `--resume` grows it back to two processes from step 20. Saves are synchronous: the exit fires 3 steps
+    # after step 20's save began, and an async save may still be writing then (CI, beside a CPU hog, resumed from 10).
     clean = run_grain(data_workspace, "grain-elastic", *ELASTIC)
-    budget = ["-o", "resilience.max_restarts=0"]
+    budget = ["-o", "resilience.max_restarts=0", "-o", "checkpoint.async=false"]
     run = run_grain(data_workspace, "grain-shrink", *ELASTIC, *budget, "--inject", "lose_node:rank=1,step=12",
                     "--inject", "exit:rank=0,step=23,code=3", expect=1)
     rkit("run", str(GRAIN), "-o", "name=grain-shrink", *SHORT, *files(data_workspace), *ELASTIC, *budget,
