@@ -151,7 +151,9 @@ def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_imag
 def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image):
     # Enough steps left after the signal for JAX's preemption sync point to come before the last step
     # (with few steps left MaxText trains on to the end inside the grace period, and the run just finishes).
-    run = submit(cluster, slurm_workspace, "usr1", cpu_image, "-o", "trainer.steps=200")
+    # No infrastructure budget at all: a requeue answered by its save is a planned end and spends none (issue 39).
+    run = submit(cluster, slurm_workspace, "usr1", cpu_image, "-o", "trainer.steps=200",
+                 "-o", "resilience.max_infra_restarts=0")
     job = job_of(run)
     wait_until(lambda: len(merged(run, 0)) >= 15, 600, "step 15")
     signalled = time.time()
@@ -170,6 +172,10 @@ def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image):
     assert started[1]["resume_from_step"] == ended["committed_step"]
     assert s["slurm"]["requeues"] >= 1 and s["state"] == "finished"
     assert ended["committed_step"] >= requested[0]["step"]  # saved at or after the signal: nothing recomputed
+    assert ended["planned"] and ended["tally"]["infra_failures"] == 0 and ended["tally"]["planned_ends"] == 1
+    text = rkit("status", str(run.path), env=cluster, check=0).stdout
+    assert "preempted, a planned end: saved, no budget spent" in text
+    assert "infrastructure 0 of 0" in text and "planned ends 1" in text, text
 
 
 def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu_image):

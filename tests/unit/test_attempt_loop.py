@@ -458,6 +458,21 @@ def test_preemption_saves_and_requeues(tmp_path):
     requested = events(sup.run, EV.PREEMPT_REQUESTED)[0]
     assert requested["received"] == "SIGUSR1" and events(sup.run, EV.PREEMPT_SAVED)
     assert backend.stops == []  # the ranks saved and exited within the grace
+    assert outcome.planned  # answered by its save: a planned end (policy: no budget spent)
+
+
+def test_a_planned_end_requeues_with_no_infrastructure_budget_and_status_says_so(tmp_path):
+    from rkit.readers.status import render_status, status
+
+    sup, _ = make(tmp_path, Script(preempt=(1, 6)), "resilience.max_infra_restarts=0")
+    assert sup.run_to_end() is RunState.REQUEUED
+    ended = events(sup.run, EV.ATTEMPT_ENDED)[0]
+    assert ended["decision"] == "requeue" and ended["planned"] is True
+    assert (ended["tally"]["infra_failures"], ended["tally"]["planned_ends"]) == (0, 1)
+    text = render_status(status(sup.run))
+    assert "preempted, a planned end: saved, no budget spent" in text
+    assert f"budgets    training failures 0 of 3, infrastructure 0 of 0; refilled by {10 * PERIOD} committed " \
+           "steps without a failure; planned ends 1" in text, text
 
 
 def test_a_preemption_that_saved_nothing_new_is_unsaved(tmp_path):
@@ -470,6 +485,7 @@ def test_a_preemption_that_saved_nothing_new_is_unsaved(tmp_path):
     assert not events(sup.run, EV.PREEMPT_SAVED)
     unsaved = events(sup.run, EV.PREEMPT_UNSAVED)[0]
     assert unsaved["committed_step"] == 4 and unsaved["requested_at_step"] == 5
+    assert not outcome.planned  # an infrastructure failure, charged
 
 
 def test_user_stop(tmp_path):

@@ -195,3 +195,67 @@ def test_a_lost_attempt_whose_processes_still_run_is_refused(tmp_path):
     zombie.wait()
     write_json_atomic(run.attempt_record(1), {**record, "host": "another-host"})
     refuse_if_alive(run, 1)  # another machine's processes cannot be checked from here
+
+
+def test_planned_ends_spend_no_budget_however_many():
+    # A 30-day run on a partition with a 24 h limit: every job ends on its time-limit signal with its save.
+    tally = Tally()
+    for day in range(30):
+        outcome = Outcome(Cause.PREEMPTED, day * 100, day * 100 + 100, "SIGUSR1 after step 99 (time limit or "
+                          "preemption)", requeue=True, step=day * 100 + 99, planned=True)
+        decision, tally = decide(tally, outcome, BUDGETS, False)
+        assert decision.action is Action.REQUEUE, decision.reason
+        assert f"a planned end, saved at step {day * 100 + 100} (no budget spent)" in decision.reason
+    assert (tally.planned_ends, tally.infra_failures, tally.training_failures) == (30, 0, 0)
+    # An injected SIGTERM (no requeue) answered by its save restarts in place, also uncharged.
+    decision, tally = decide(tally, Outcome(Cause.PREEMPTED, 5, 8, "SIGTERM", step=7, planned=True), BUDGETS, False)
+    assert decision.action is Action.RESTART and tally.infra_failures == 0 and tally.planned_ends == 31
+    # Whose save did not commit: an infrastructure failure, charged as before.
+    decision, tally = decide(tally, Outcome(Cause.PREEMPTED, 8, 8, "SIGUSR1", requeue=True, step=9), BUDGETS, False)
+    assert decision.action is Action.REQUEUE and tally.infra_failures == 1 and tally.planned_ends == 31
+
+
+@pytest.mark.parametrize("every,gives_up_at", [(1000, None), (999, 4), (250, 4)])
+def test_the_training_budget_refills_after_a_window_of_committed_steps(every, gives_up_at):
+    # max_restarts 3 over a window of 1000 committed steps: one failure every 1000 steps goes on for ever, one
+    # every 999 steps (or 250) is the fourth failure within the window, and gives up naming it.
+    budgets = Budgets(max_restarts=3, max_infra_restarts=2, crash_loop_limit=3, window_steps=1000)
+    tally = Tally()
+    for n in range(1, 13):
+        at = n * every
+        outcome = Outcome(Cause.TASK_EXIT, at - every, at, "rank 0 exited with code 1", rank=0, code=1, step=at + 3)
+        decision, tally = decide(tally, outcome, budgets, False)
+        if n == gives_up_at:
+            assert decision.action is Action.GIVE_UP
+            assert "4 training failures within 1000 committed steps of each other " \
+                   "(resilience.budget_window_steps)" in decision.reason
+            return
+        assert decision.action is Action.RESTART, (n, decision.reason)
+    assert gives_up_at is None and tally.training_failures == 1 and tally.refills == 11
+
+
+def test_the_infrastructure_budget_refills_and_a_crash_loop_is_still_one():
+    budgets = Budgets(max_restarts=3, max_infra_restarts=2, crash_loop_limit=3, window_steps=100)
+    tally = Tally()
+    for at in (None, 50, 150, 260, 370, 480):  # a node lost now and then, each after >= 100 steps: never given up
+        decision, tally = decide(tally, Outcome(Cause.NODE_FAIL, at, at, "node failure", nodes=(f"n{at}",)),
+                                 budgets, False)
+        assert decision.action is Action.RESTART, decision.reason
+    assert tally.infra_failures == 1 and tally.refills == 4  # 50 - (-1) < 100: no refill before step 150
+    # Three close together exhaust it, and the give-up names the window.
+    for at, action in ((490, Action.RESTART), (495, Action.GIVE_UP)):
+        decision, tally = decide(tally, Outcome(Cause.NODE_FAIL, at, at, "node failure", nodes=(f"n{at}",)),
+                                 budgets, False)
+        assert decision.action is action
+    assert "3 failures within 100 committed steps of each other" in decision.reason
+    # The same failure in a row is a crash loop whatever the window: never a lifetime count, never unbounded.
+    tally = Tally()
+    for n in range(3):
+        decision, tally = decide(tally, Outcome(Cause.HANG, 500 * n, 500 * n, "hang", rank=1, step=7), budgets,
+                                 False)
+    assert decision.action is Action.GIVE_UP and "crash loop" in decision.reason
+
+
+def test_the_window_and_the_planned_ends_are_replayed_on_resume():
+    tally = Tally(1, 2, 0, (), None, 0, planned_ends=5, last_failure_at=700, refills=2)
+    assert tally_from_events([{"event": "attempt.ended", "tally": tally.as_dict()}]) == tally

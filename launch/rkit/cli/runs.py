@@ -124,9 +124,9 @@ def cancel(run_dir: Path) -> None:
 def logs(run_dir: Path, rank: int, attempt: int | None, follow: bool) -> None:
     """Print one process's log of one attempt."""
     from rkit.contract.rundir import RunDir
-    from rkit.readers import status as run_status
+    from rkit.readers import logs as run_logs
 
-    run_status.print_log(RunDir(run_dir).require(), rank=rank, attempt=attempt, follow=follow, echo=click.echo)
+    run_logs.print_log(RunDir(run_dir).require(), rank=rank, attempt=attempt, follow=follow, echo=click.echo)
 
 
 @click.command()

@@ -100,6 +100,14 @@ class Resilience:
     warm_standby: bool | str = "auto"  # standby ranks for the next attempt (backends/standby.py)
     node_silence_seconds: float = 3.0  # Slurm: heartbeat silence (with no step progress) before a node is probed
     node_probe_seconds: float = 5.0  # Slurm: the probe step's hard timeout (liveness.py)
+    budget_window_steps: int | None = None  # committed steps without a failure that refill the budgets
+
+    def window_steps(self, period: int | None) -> int | None:
+        """The budgets' refill window (policy.Budgets.window_steps): the recipe's, else ten checkpoint periods
+        (the attempt's, for period auto); None (never refilled) when neither is known."""
+        if self.budget_window_steps is not None:
+            return int(self.budget_window_steps)
+        return None if not period else 10 * int(period)
 
     @property
     def jax_heartbeat_seconds(self) -> int:

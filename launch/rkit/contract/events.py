@@ -75,6 +75,7 @@ EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
                      "step_seconds", "hours"), float),
     **dict.fromkeys(("fs", "path"), str),
     "ended_by_launcher": bool,  # attempt.failed: srun ended the failing rank after another's exit (its code lost)
+    "planned": bool,  # attempt.ended: a time limit or preemption answered by its save (no budget spent)
 }
 LATEST_T = 1e11  # seconds since 1970: the year 5138
 

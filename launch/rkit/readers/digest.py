@@ -36,7 +36,7 @@ from rkit.runtime.telemetry import metrics
 
 # 2: goodput's start-up in parts (EventFold.agents); 3: its restore (AttemptTimes.restore); 4: detection;
 # 5: injections without a spec
-VERSION = 5
+VERSION = 6
 SIGNATURE_BYTES = 4096
 CHUNK_BYTES = 8 << 20
 # Save a digest once 1/32 of its file, at most 1 MiB, was read since its last save: a later process then re-reads

@@ -45,6 +45,7 @@ class StatusFold(goodput_events.Fold):
     disk_low: list[dict] = field(default_factory=list)
     period: int | None = None  # the newest attempt's checkpoint period (checkpoint.period auto chooses each)
     period_choice: dict | None = None  # the newest checkpoint.period event: period auto's choice and why
+    tally: dict | None = None  # the newest attempt.ended's budgets used (policy.Tally.as_dict)
 
     def feed(self, e: dict) -> None:
         self.goodput.feed(e)
@@ -69,7 +70,8 @@ class StatusFold(goodput_events.Fold):
                 row.update(devices=e.get("devices"), mesh=e.get("mesh"), global_batch=e.get("global_batch"))
             elif kind == EV.ATTEMPT_ENDED:
                 row.update(ended=e["t"], cause=e.get("cause"), detail=e.get("detail"), decision=e.get("decision"),
-                           committed_step=e.get("committed_step"))
+                           committed_step=e.get("committed_step"), planned=bool(e.get("planned")))
+                self.tally = e.get("tally") or self.tally
             elif kind == EV.CHECKPOINT_RESTORED:  # rank 0, with a local tier: the step and tier it came from
                 row.update(restored_step=e.get("step"), restored_tier=e.get("tier"), lost_step=e.get("lost_step"))
             elif kind == EV.ATTEMPT_FAILED and "failed" not in row:
@@ -261,6 +263,7 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
         "elapsed_seconds": round(ended - started, 1) if started else None,
         "eta_seconds": round(eta, 1) if eta is not None else None,
         "recomputed_steps": recomputed_steps,
+        "budgets": budgets_used(fold.tally, config, period),
         "attempts": table,
         "injections": list(fold.injections),
         "slurm": slurm,
@@ -274,6 +277,18 @@ def status(run: RunDir, *, events: list[dict] | None = None, config: Config | No
                              latest=None if rank_lines is None else
                              {rank: lines[-1] if lines else None for rank, lines in rank_lines.items()}),
     }
+
+
+def budgets_used(tally: dict | None, config: Config, period: int | None) -> dict[str, Any] | None:
+    """What the run has spent of its restart budgets (the newest attempt.ended's tally), against the recipe's;
+    planned ends (time limits and preemptions answered by their save) are counted, never charged."""
+    if not isinstance(tally, dict):
+        return None
+    r = config.resilience
+    return {"training_failures": tally.get("training_failures"), "max_restarts": r.max_restarts,
+            "infra_failures": tally.get("infra_failures"), "max_infra_restarts": r.max_infra_restarts,
+            "planned_ends": tally.get("planned_ends", 0), "refills": tally.get("refills", 0),
+            "window_steps": r.window_steps(period)}
 
 
 def new_digest(run: RunDir) -> RunDigest:
@@ -323,12 +338,19 @@ def render_status(s: dict[str, Any]) -> str:
     if s["injections"]:
         lines.append(f"injected   {', '.join(i if isinstance(i, str) else '?' for i in s['injections'][:TOP])}" +
                      (f" and {len(s['injections']) - TOP} more" if len(s["injections"]) > TOP else ""))
+    if isinstance(b := s.get("budgets"), dict):
+        window = (f"; refilled by {b['window_steps']} committed steps without a failure" +
+                  (f" ({b['refills']} time(s) so far)" if b.get("refills") else "")) if b.get("window_steps") else ""
+        lines.append(f"budgets    training failures {num(b.get('training_failures'), '{}')} of "
+                     f"{b['max_restarts']}, infrastructure {num(b.get('infra_failures'), '{}')} of "
+                     f"{b['max_infra_restarts']}{window}; planned ends {num(b.get('planned_ends'), '{}')} (time "
+                     "limits and preemptions answered by their save: never charged)")
     lines.append(f"attempts   {len(s['attempts'])}" +
                  (f" ({s['recomputed_steps']} step(s) recomputed after restarts)" if s["recomputed_steps"] else ""))
     for a in s["attempts"]:
         start = resumed_from(a)
         start = start if start == "from scratch" else f"resumed from {start}"
-        end = a.get("cause", "running")
+        end = a.get("cause", "running") + (", a planned end: saved, no budget spent" if a.get("planned") else "")
         found = "" if not a.get("detected_by") else f"; found by {a['detected_by']}" + (
             f" {a['detect_seconds']:.1f} s after the node's last heartbeat" if a.get("detect_seconds") else "")
         detail = f" ({a['detail']}{found})" if a.get("detail") else ""
@@ -419,27 +441,3 @@ def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callab
     if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's
         console.line()
     return RunState(s["state"])
-
-
-def print_log(run: RunDir, *, rank: int, attempt: int | None, follow: bool, echo) -> None:
-    from rkit.contract.errors import RkitError
-
-    numbers = run.attempt_numbers()
-    if not numbers:
-        raise RkitError(f"{run.path}: no attempts yet.")
-    n = numbers[-1] if attempt is None else attempt
-    path = run.rank_log(n, rank)
-    if not path.exists():
-        raise RkitError(f"{path}: no such log (attempts: {', '.join(map(str, numbers))}; ranks start at 0).")
-    import codecs
-
-    from rkit.contract.safeio import open_regular
-
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    with open_regular(path) as fh:  # a FIFO, a device or a directory: an error naming it, not a hang
-        while True:
-            if text := decoder.decode(fh.read()):
-                echo(text.rstrip("\n"))
-            if not follow:
-                return
-            time.sleep(0.5)

@@ -83,6 +83,13 @@ class Budgets:
     max_restarts: int
     max_infra_restarts: int
     crash_loop_limit: int
+    # Committed steps trained since the last charged failure that refill both budgets (a week-long run that
+    # fails once a day is not a crash loop); None: the counts are for the run's whole life.
+    window_steps: int | None = None
+
+    def within(self) -> str:
+        return "" if self.window_steps is None else (f" within {self.window_steps} committed steps of each other "
+                                                     "(resilience.budget_window_steps)")
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,9 @@ class Outcome:
     step: int | None = None
     nodes: tuple[str, ...] = ()
     error: str | None = None  # the failing rank's own words (ranklogs.rank_error)
+    # A planned end: a time-limit or preemption signal answered by a committed save at or after the step it was
+    # asked at. Counted (Tally.planned_ends), never charged to a budget.
+    planned: bool = False
 
     @property
     def progressed(self) -> bool:
@@ -136,16 +146,21 @@ class Tally:
     stalled_details: tuple[str, ...] = ()
     signature: str | None = None  # the last failure's signature
     repeats: int = 0  # consecutive failures with that signature
+    planned_ends: int = 0  # time limits and preemptions answered by a committed save: never charged
+    last_failure_at: int | None = None  # the committed step after the last charged failure (-1: none committed)
+    refills: int = 0  # times a stretch of Budgets.window_steps without a failure refilled the budgets
 
     def as_dict(self) -> dict:
         return {"training_failures": self.training_failures, "infra_failures": self.infra_failures,
                 "stalled": self.stalled, "stalled_details": list(self.stalled_details),
-                "signature": self.signature, "repeats": self.repeats}
+                "signature": self.signature, "repeats": self.repeats, "planned_ends": self.planned_ends,
+                "last_failure_at": self.last_failure_at, "refills": self.refills}
 
     @classmethod
     def from_dict(cls, t: dict) -> Tally:
         return cls(t["training_failures"], t["infra_failures"], t["stalled"], tuple(t["stalled_details"]),
-                   t.get("signature"), t.get("repeats", 0))
+                   t.get("signature"), t.get("repeats", 0), t.get("planned_ends", 0), t.get("last_failure_at"),
+                   t.get("refills", 0))
 
 
 class Action(enum.Enum):
@@ -180,8 +195,21 @@ def _crash_loop(tally: Tally, outcome: Outcome, budgets: Budgets) -> Decision | 
                                     "again with --resume")
 
 
+def _charge(tally: Tally, outcome: Outcome, budgets: Budgets) -> Tally:
+    """Before a failure is charged: a stretch of `window_steps` committed steps since the last charged failure
+    refills both budgets (failures are counted against progress, not over the run's life); then this failure's
+    committed step starts the next stretch."""
+    at = outcome.committed_after if outcome.committed_after is not None else outcome.committed_before
+    here = -1 if at is None else at
+    if budgets.window_steps is not None and tally.last_failure_at is not None \
+            and here - tally.last_failure_at >= budgets.window_steps:
+        tally = replace(tally, training_failures=0, infra_failures=0, refills=tally.refills + 1)
+    return replace(tally, last_failure_at=here)
+
+
 def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bool) -> tuple[Decision, Tally]:
-    """Pure policy: classify first, then spend the matching budget."""
+    """Pure policy: classify first, then spend the matching budget. A planned end (a time limit or preemption
+    answered by its save) spends none; a failure spends one of a budget that a stretch of progress refills."""
     if final_committed:
         return Decision(Action.FINISH, "the final step is committed"), tally
     if outcome.cause is Cause.INTERRUPTED:
@@ -202,13 +230,21 @@ def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bo
         return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt would fail the same way: free space "
                                         "(or raise the quota), then continue with `rkit run RECIPE --resume`"), tally
     tally = _repeat(tally, outcome)
+    if outcome.cause is Cause.PREEMPTED and outcome.planned:
+        tally = replace(tally, planned_ends=tally.planned_ends + 1, stalled=0, stalled_details=())
+        then = "requeueing the job" if outcome.requeue else "restarting"
+        return Decision(Action.REQUEUE if outcome.requeue else Action.RESTART,
+                        f"{outcome.detail}; a planned end, saved at step {outcome.committed_after} (no budget "
+                        f"spent); {then}, it resumes from that step"), tally
+    tally = _charge(tally, outcome, budgets)
     if outcome.cause.infrastructure:
         tally = replace(tally, infra_failures=tally.infra_failures + 1, stalled=0, stalled_details=())
         if (loop := _crash_loop(tally, outcome, budgets)) is not None:
             return loop, tally
         if tally.infra_failures > budgets.max_infra_restarts:
-            return Decision(Action.GIVE_UP, f"infrastructure budget exhausted ({budgets.max_infra_restarts} "
-                                            f"allowed: resilience.max_infra_restarts); last: {outcome.detail}"), tally
+            return Decision(Action.GIVE_UP, f"infrastructure budget exhausted: {tally.infra_failures} failures"
+                                            f"{budgets.within()}, {budgets.max_infra_restarts} allowed "
+                                            f"(resilience.max_infra_restarts); last: {outcome.detail}"), tally
         if outcome.requeue:
             return Decision(Action.REQUEUE, f"{outcome.detail}; requeueing the job, it resumes from the last "
                                             "checkpoint"), tally
@@ -226,9 +262,9 @@ def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bo
         return Decision(Action.GIVE_UP, f"crash loop: {stalled} consecutive attempts failed without a new "
                                         f"committed checkpoint (last committed step {last}); {how}"), tally
     if tally.training_failures > budgets.max_restarts:
-        return Decision(Action.GIVE_UP, f"restart budget exhausted: {tally.training_failures} training failures, "
-                                        f"{budgets.max_restarts} restarts allowed (resilience.max_restarts); "
-                                        f"last: {outcome.detail}"), tally
+        return Decision(Action.GIVE_UP, f"restart budget exhausted: {tally.training_failures} training failures"
+                                        f"{budgets.within()}, {budgets.max_restarts} restarts allowed "
+                                        f"(resilience.max_restarts); last: {outcome.detail}"), tally
     return Decision(Action.RESTART, f"{outcome.detail}; restarting from the last committed checkpoint"), tally
 
 

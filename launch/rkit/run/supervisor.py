@@ -11,7 +11,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,8 @@ class Supervisor:
 
     def _run_to_end(self) -> RunState:
         r = self.config.resilience
-        budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit)
+        budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit,
+                          r.window_steps(self.config.checkpoint.fixed_period))
         events = self.run.events()
         tally = tally_from_events(events)
         progress = Progress(total_steps=int(self.config.trainer.steps))
@@ -165,8 +166,8 @@ class Supervisor:
                 self._exclude(sorted(unfit), reason="GPU health check: " + "; ".join(
                     f"{node}: {why}" for node, why in sorted(unfit.items())))
             outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
-            final = self.final_committed()
-            decision, tally = decide(tally, outcome, budgets, final)
+            final = self.final_committed()  # the refill window counts in this attempt's period (period auto)
+            decision, tally = decide(tally, outcome, replace(budgets, window_steps=r.window_steps(self.period)), final)
             self._record_end(progress.attempt, outcome, decision, tally)
             if decision.action in FINAL_WORD:
                 return self._final(FINAL_WORD[decision.action], reason=decision.reason,
@@ -185,7 +186,7 @@ class Supervisor:
     def _record_end(self, attempt: int, outcome: Outcome, decision: Decision, tally: Tally) -> None:
         self.run.emit(EV.ATTEMPT_ENDED, attempt=attempt, cause=outcome.cause.value, detail=outcome.detail,
                       committed_step=outcome.committed_after, decision=decision.action.value, reason=decision.reason,
-                      tally=tally.as_dict())
+                      tally=tally.as_dict(), **({"planned": True} if outcome.planned else {}))
 
     def run_attempt(self, progress: Progress, injections: list[Injection]) -> Outcome:
         """Start one attempt, watch it until `classify` says how it ends, end it that way, record it."""
@@ -263,11 +264,11 @@ class Supervisor:
         committed_after = maxtext.latest_committed_step(self.run)
         too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
         requeue = ending.requeue or too_few
+        # Saved means a checkpoint at or after the step the save was asked at: nothing is recomputed (a period
+        # save that committed meanwhile is not the preemption save). A saved preemption is a planned end.
+        saved = ending.cause is Cause.PREEMPTED and committed_after is not None and \
+            committed_after != committed_before and (ending.step is None or committed_after >= ending.step)
         if ending.cause is Cause.PREEMPTED:
-            # Saved means a checkpoint at or after the step the save was asked at: nothing is recomputed (a
-            # period save that committed meanwhile is not the preemption save).
-            saved = committed_after is not None and committed_after != committed_before and (
-                ending.step is None or committed_after >= ending.step)
             self.run.emit(EV.PREEMPT_SAVED if saved else EV.PREEMPT_UNSAVED, attempt=attempt,
                           committed_step=committed_after, requested_at_step=ending.step, step=progress.step)
         info.update({"ended": time.time(), "cause": ending.cause.value, "detail": ending.detail, "error": ending.error,
@@ -275,7 +276,8 @@ class Supervisor:
                      "exits": {str(r): e.as_record() for r, e in sorted(handle.exits.items())}})
         write_json_atomic(self.run.attempt_record(attempt), info)
         return Outcome(ending.cause, committed_before, committed_after, ending.detail, requeue=requeue,
-                       rank=ending.rank, code=ending.code, step=ending.step, nodes=ending.nodes, error=ending.error)
+                       rank=ending.rank, code=ending.code, step=ending.step, nodes=ending.nodes, error=ending.error,
+                       planned=saved)
 
     def _watch(self, handle: Handle, attempt: int, watch: AttemptWatch, nodes: list[str],
                sigterm_at: Injection | None) -> Ending:
