@@ -176,6 +176,10 @@ def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image):
     text = rkit("status", str(run.path), env=cluster, check=0).stdout
     assert "preempted, a planned end: saved, no budget spent" in text
     assert "infrastructure 0 of 0" in text and "planned ends 1" in text, text
+    # checkpoint.keep's default: 21 saves, the newest 3 on disk (Orbax's own retention), the run resumable from them
+    from rkit.runtime.trainers.maxtext import committed_steps
+
+    assert committed_steps(run) == [180, 190, 199] and run.config().checkpoint.keep == 3
 
 
 def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu_image):

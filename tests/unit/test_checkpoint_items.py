@@ -100,8 +100,11 @@ def test_every_committed_step_failing_the_same_way_makes_the_check_suspect(tmp_p
     assert found.suspect == ("every committed step (0, 10, 20) fails the same check: iter/process_1-of-2.json is "
                              "missing (1 of 2 processes)")
     maxtext_step(tmp_path / "fresh", 30)
-    dirs[30] = tmp_path / "fresh" / "30"  # one good step: the check can tell, the bad ones go
-    assert triage(dirs).suspect is None and sorted(triage(dirs).quarantine) == [0, 10, 20]
+    dirs[30] = tmp_path / "fresh" / "30"  # one good step, the newest: the restore takes it, the others are not read
+    assert triage(dirs).suspect is None and triage(dirs).quarantine == {}
+    (dirs[30] / "items" / "_METADATA").unlink()  # a good step older than the bad ones: the check can tell, they go
+    dirs = {5: maxtext_step(tmp_path / "fresh", 5), **{s: dirs[s] for s in (0, 10, 20)}}
+    assert triage(dirs).suspect is None and sorted(triage(dirs).quarantine) == [10, 20]
 
 
 def test_a_lone_bad_step_or_an_unfinished_save_is_still_quarantined(tmp_path):
@@ -135,4 +138,31 @@ def test_the_supervisor_resumes_from_a_grain_step_and_notes_an_unknown_item(tmp_
     assert sup.run_to_end() is RunState.FINISHED
     assert events(sup.run, EV.ATTEMPT_STARTED)[0]["resume_from_step"] == 8
     assert not events(sup.run, EV.CHECKPOINT_QUARANTINED)
-    assert [n["step"] for n in events(sup.run, EV.CHECKPOINT_NOTE)] == [4, 8]
+    assert [n["step"] for n in events(sup.run, EV.CHECKPOINT_NOTE)] == [8]  # step 4 is not read: 8 is whole
+
+
+def test_triage_reads_newest_first_and_stops_at_the_step_a_restore_takes(tmp_path):
+    # 500 steps on disk cost what 3 do: the steps before the newest good one are never read (a restore never
+    # reaches them); a damaged one there is found only when the steps after it are gone.
+    for step in (10, 20, 30):
+        maxtext_step(tmp_path, step)
+    (tmp_path / "10" / "_CHECKPOINT_METADATA").write_text("{")
+    (tmp_path / "30" / "iter" / "process_0-of-2.json").unlink()
+    dirs = {s: tmp_path / str(s) for s in (10, 20, 30)}
+    assert triage(dirs).quarantine == {30: "iter/process_0-of-2.json is missing (1 of 2 processes)"}
+    assert set(triage({10: dirs[10]}).quarantine) == {10}
+
+
+def test_quarantined_steps_go_once_a_newer_step_is_committed(tmp_path):
+    from rkit.contract.rundir import RunDir
+    from rkit.run import preflight
+
+    run = RunDir(tmp_path / "run")
+    for name in ("20", "20-2", "40", "notes"):
+        (run.quarantine_dir / name).mkdir(parents=True)
+    maxtext_step(run.orbax_dir, 10)
+    assert preflight.checkpoints(run) is None and not events(run, EV.CHECKPOINT_PRUNED)  # 20 may be all there is
+    maxtext_step(run.orbax_dir, 30)
+    assert preflight.checkpoints(run) is None
+    assert [e["names"] for e in events(run, EV.CHECKPOINT_PRUNED)] == [["20", "20-2"]]
+    assert sorted(p.name for p in run.quarantine_dir.iterdir()) == ["40", "notes"]

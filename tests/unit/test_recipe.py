@@ -124,7 +124,7 @@ def test_parse_override_value(raw, expected):
 
 def test_defaults_are_applied_from_the_schema():
     r = parse_recipe("min.yaml", "name: m\ntrainer: {kind: maxtext, steps: 3}\n")
-    assert r.resolved["checkpoint"] == {"period": 100, "keep": None, "async": True}
+    assert r.resolved["checkpoint"] == {"period": 100, "keep": 3, "async": True}
     assert r.resolved["resources"] == {"nodes": 1, "processes_per_node": 1}
     assert r.resolved["image"] == "none" and r.resolved["runs_dir"] == "runs"
 

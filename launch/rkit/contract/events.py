@@ -48,6 +48,7 @@ class EV:
     AGENT_ENV_DROPPED = "agent.env_dropped"  # M_<KEY> variables removed before MaxText read them (names only)
     EXPORTER_INSECURE = "exporter.insecure"  # a node's exporter serves plain HTTP beyond loopback (insecure: true)
     CHECKPOINT_QUARANTINED = "checkpoint.quarantined"
+    CHECKPOINT_PRUNED = "checkpoint.pruned"  # quarantined steps older than the newest committed one, removed
     CHECKPOINT_NOTE = "checkpoint.note"  # a step holds an item of a kind rkit does not check (not corruption)
     CHECKPOINT_RESTORED = "checkpoint.restored"  # rank 0 with a local tier: the step, its tier, any newer one lost
     CHECKPOINT_PERIOD = "checkpoint.period"  # period auto or a time: an attempt's period, interval, why
@@ -66,7 +67,7 @@ EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "step": (int, str),  # a training step, or a standby step's name (`standby` notes: "standby-2")
     **dict.fromkeys(("cause", "cls", "reason", "detail", "decision", "node", "error", "signal", "spec", "kind",
                      "name", "what", "received", "config_hash", "tier"), str),
-    **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks"), list),
+    **dict.fromkeys(("nodes", "lost_nodes", "injections", "healthy", "excluded", "stopped_ranks", "names"), list),
     **dict.fromkeys(("changes", "tally", "mesh"), dict),
     **dict.fromkeys(("seconds", "seconds_since_start", "restore_started", "restore_seconds", "import_seconds",
                      "distributed_seconds", "detect_seconds", "timeout", "seconds_silent", "standby_import_seconds",

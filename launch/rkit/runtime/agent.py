@@ -416,6 +416,7 @@ def local_tier(ctx: AgentContext) -> LocalTier | None:
 
     tier = localtier.LocalTier(ctx.run, ctx.attempt, ctx.rank, config.trainer.final_step,
                                localtier.run_root(config.checkpoint.local_dir, ctx.run), ctx.run.emit)
+    tier.keep = config.checkpoint.keep
     from rkit.runtime.trainers import emergency
 
     emergency.hook(tier)

@@ -104,7 +104,8 @@ def hook(tier: LocalTier) -> None:
         persistent.mkdir(exist_ok=True, parents=True)
         options = ecm.CheckpointManagerOptions(
             local=ecm.LocalCheckpointOptions(save_interval_steps=local_save_interval_steps, max_to_keep=KEEP),
-            persistent=ecm.PersistentCheckpointOptions(save_interval_steps=persistent_save_interval_steps),
+            persistent=ecm.PersistentCheckpointOptions(save_interval_steps=persistent_save_interval_steps,
+                                                       max_to_keep=tier.keep),  # checkpoint.keep
             replica_axis_index=axis)
         tier.manager = ecm.CheckpointManager(
             epath.Path(tier.process_dir), persistent, global_mesh=global_mesh,

@@ -209,6 +209,7 @@ class LocalTier:
         self.replica_size: int | None = None
         self.manager: Any = None
         self.restored_tier: str | None = None
+        self.keep: int | None = None  # checkpoint.keep: the persistent tier's retention (emergency.py)
         self._seen: list[int] | None = None
 
     # -- the record

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,23 @@ def quarantine(run: RunDir, step: int) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(source, target)
     return target
+
+
+def prune_quarantine(run: RunDir) -> list[str]:
+    """Quarantined steps older than the run directory's newest committed step, removed: no restore can pick them
+    (their reason stays in the run's checkpoint.quarantined event). The names removed."""
+    steps = committed_steps(run)
+    try:
+        entries = list(os.scandir(run.quarantine_dir)) if steps else []
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    gone = []
+    for entry in sorted(entries, key=lambda e: e.name):
+        step = entry.name.partition("-")[0]
+        if entry.is_dir(follow_symlinks=False) and step.isascii() and step.isdigit() and int(step) < steps[-1]:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            gone.append(entry.name)
+    return gone
 
 
 def resolve_base_config(name: str) -> str:

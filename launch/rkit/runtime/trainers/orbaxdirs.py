@@ -206,12 +206,20 @@ class Triage:
 def triage(dirs: dict[int, Path], local: bool = False) -> Triage:
     """Which steps MaxText must not restore from. When two or more committed steps all fail with the same
     reason, the check is more likely wrong than every save of the run (a format rkit misreads): nothing is
-    moved and `suspect` says why, so that the run stops with it instead of starting over from scratch."""
-    checks = {step: check_step(path, local) for step, path in dirs.items()}
+    moved and `suspect` says why, so that the run stops with it instead of starting over from scratch.
+    Newest first, up to the first committed step that passes: a restore takes that one, and the steps before it
+    are never read (the cost is the same whether the run keeps 3 steps or 500)."""
+    checks: dict[int, StepCheck] = {}
+    committed = []
+    for step in sorted(dirs, reverse=True):
+        path = dirs[step]
+        checks[step] = check_step(path, local)
+        if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists():
+            committed.append(step)
+            if checks[step].problem is None:
+                break
     bad = {step: c.problem for step, c in checks.items() if c.problem is not None}
     notes = {step: c.notes for step, c in checks.items() if c.notes}
-    committed = [step for step, path in dirs.items()
-                 if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists()]
     reasons = {bad.get(step) for step in committed}
     if len(committed) >= 2 and None not in reasons and len(reasons) == 1:
         reason = reasons.pop()
