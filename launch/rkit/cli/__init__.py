@@ -1,6 +1,6 @@
 """rkit's command line: parse, call the library, print. No logic lives here. One module per command group:
-runs.py (validate, run, supervise, cancel, logs, reproduce), images.py (rkit image), readers.py (status, ls, report,
-metrics, diff, compare), bench.py (rkit bench); options.py holds the options they share."""
+runs.py (validate, run, supervise, cancel, logs, reproduce, prune), images.py (rkit image), readers.py (status, ls,
+report, metrics, diff, compare), bench.py (rkit bench); options.py holds the options they share."""
 
 from __future__ import annotations
 

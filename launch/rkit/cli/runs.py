@@ -1,5 +1,5 @@
-"""`rkit validate`, `run`, `supervise` (inside a Slurm job), `cancel`, `logs`, `reproduce`: the commands that make
-or drive a run."""
+"""`rkit validate`, `run`, `supervise` (inside a Slurm job), `cancel`, `logs`, `reproduce`, `prune`: the commands
+that make, drive or clear up runs."""
 
 from __future__ import annotations
 
@@ -163,4 +163,29 @@ def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool, l
     sys.exit(0 if result["agree"] else 1)
 
 
-COMMANDS = (validate, run, supervise, cancel, logs, reproduce)
+@click.command()
+@click.argument("runs_dir", type=click.Path(path_type=Path), default=Path("runs"), required=False)
+@click.option("--dry-run", is_flag=True, help="List what would go and how many bytes; remove nothing.")
+@click.option("--images", is_flag=True, help="Also cached images no run in RUNS_DIR was made with (each flavor's "
+                                             "newest stays).")
+@click.option("--caches", is_flag=True, help="Also JAX compilation cache entries and rkit status digests unused for "
+                                             "--older-than days.")
+@click.option("--older-than", "older_than", type=click.FloatRange(0, 36500), default=30.0, show_default=True,
+              metavar="DAYS", help="With --caches: how long unused.")
+@json_option
+def prune(runs_dir: Path, dry_run: bool, images: bool, caches: bool, older_than: float, as_json: bool) -> None:
+    """Free the disk weeks of runs fill: ended runs' checkpoints beyond their final step (finished) or their
+    newest 3 (resumable), unfinished saves, quarantined steps; with --images and --caches, those too. Runs a
+    supervisor or a Slurm job may still work on are left whole."""
+    from rkit.readers import prune as pruning
+
+    found = pruning.plan(runs_dir, images=images, caches=caches, older_than_days=older_than)
+    problems = [] if dry_run else pruning.remove(found)
+    click.echo(json.dumps(dict(found.as_dict(), dry_run=dry_run, problems=problems), indent=2) if as_json
+               else pruning.render(found, dry_run))
+    for line in problems if not as_json else ():
+        click.echo(f"rkit: {line}", err=True)
+    sys.exit(1 if problems else 0)
+
+
+COMMANDS = (validate, run, supervise, cancel, logs, reproduce, prune)

@@ -1,2 +1,3 @@
-"""Host side: the commands that read a run directory, during or after the run: status, watch and log (status,
-digest, display), report, list (listing), outcome.json and compare (outcome, compare), bench, diff, goodput."""
+"""Host side: the commands that read a run directory, during or after the run: status and watch (status, digest,
+display), logs, report, list (listing), outcome.json and compare (outcome, compare), bench, diff, goodput; and
+prune, which removes what ended runs no longer need."""
