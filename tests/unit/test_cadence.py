@@ -79,12 +79,42 @@ def test_what_a_runs_directory_measured(tmp_path: Path):
     m = measure(run, run.load_resolved())
     assert m.save_seconds == 0.6 and m.saves == 4  # the blocking part, of the runs alike in cost only
     assert m.step_seconds == 1.0  # steady state (the saves' 3 s steps are outliers)
-    assert m.failures == 4 and m.hours == pytest.approx(4 * 94 / 3600)
+    # node-hours from each attempt's first step (32 -> 85 and 111 -> 122, two nodes each), in 4 readable runs
+    assert m.failures == 4 and m.hours == pytest.approx(4 * 2 * (53 + 11) / 3600)
     assert cadence.cost_key(longer.load_resolved()) == cadence.cost_key(run.load_resolved()) != \
         cadence.cost_key(other.load_resolved())
     event = choose(config(), m).as_event(m)
     assert {"period", "interval_seconds", "mtbf_seconds", "save_seconds", "step_seconds", "failures",
             "reason"} <= set(event)
+
+
+def test_the_failure_rate_is_the_clusters_per_node_hour_scaled_to_this_runs_size(tmp_path: Path):
+    from .synthetic_run import events as timeline
+
+    evs = timeline()
+    # A config error: rank 0 failed before its first step (attempt 3), and a run that could not start (attempt 4):
+    # neither is the cluster's failure, neither trained.
+    evs += [{"t": 2000.0, "event": "attempt.started", "attempt": 3, "nodes": ["n1", "n2"]},
+            {"t": 2030.0, "event": "attempt.ended", "attempt": 3, "cause": "task_exit"},
+            {"t": 2040.0, "event": "attempt.ended", "attempt": 4, "cause": "launch_error"}]
+    assert cadence._failures_and_hours(evs) == (1, pytest.approx(2 * (53 + 11) / 3600))  # the hang
+    one = Measured(save_seconds=2.0, saves=5, step_seconds=0.5, failures=3, hours=12.0, nodes=1)
+    wide = Measured(save_seconds=2.0, saves=5, step_seconds=0.5, failures=3, hours=12.0, nodes=256)
+    # the same failures per node-hour: a 256-node job fails (nearly) 256 times as often as a 1-node one
+    assert choose(config(), one).mtbf_seconds / choose(config(), wide).mtbf_seconds == pytest.approx(
+        (12.0 + PRIOR_MTBF_HOURS) / (12.0 / 256 + PRIOR_MTBF_HOURS), rel=1e-9)
+    assert "for 256 node(s)" in choose(config(), wide).why
+
+
+def test_measure_reads_the_tails_of_a_long_runs_files(tmp_path: Path, monkeypatch):
+    run = RunDir(write_run(tmp_path / "runs" / "this"))
+    monkeypatch.setattr(cadence, "NEWEST_LOGS", 1)
+    for n, seconds in ((1, 100.0), (2, 0.5)):  # attempt 1's saves are not among the newest attempt's
+        run.rank_log(n, 0).parent.mkdir(parents=True, exist_ok=True)
+        run.rank_log(n, 0).write_text(f"I1202 x.py:1] [async] Finished blocking save in {seconds} seconds\n")
+    assert measure(run, run.load_resolved()).save_seconds == 0.5
+    monkeypatch.setattr(cadence, "EVENTS_TAIL", 600)  # attempt 1's events are beyond the tail
+    assert measure(run, run.load_resolved()).failures == 0
 
 
 def test_a_run_directory_with_nothing_yet(tmp_path: Path):

@@ -36,7 +36,7 @@ from rkit import __version__
 from rkit.contract.errors import RkitError
 from rkit.contract.safeio import load_json, private_dir
 from rkit.readers import compare as outcomes
-from rkit.readers.outcome import WARMUP_STEPS
+from rkit.runtime.telemetry.metrics import WARMUP_STEPS
 
 DEFAULT_STORAGE = Path(".benchmarks")
 GROUP = "rkit-bench"

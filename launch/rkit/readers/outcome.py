@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,20 +28,16 @@ from typing import TYPE_CHECKING, Any
 from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
-from rkit.contract.safeio import open_regular
 from rkit.readers import goodput
 from rkit.run.policy import FINAL_EVENTS
+from rkit.run.ranklogs import save_seconds
 from rkit.runtime.telemetry import metrics
+from rkit.runtime.telemetry.metrics import WARMUP_STEPS, steady_state
 
 if TYPE_CHECKING:
     from rkit.contract.config import Config
 
 VERSION = 1
-# An attempt's first steps carry compilation, restore and warm-up: not steady state.
-WARMUP_STEPS = 3
-# Orbax's event_tracking lines: the whole save (async: blocking + background) and the part that blocks training.
-SAVE_DONE = re.compile(rb"\] \[(?:async|sync)\] Finished save(?: \(blocking \+ background\))? in ([0-9.]+) seconds")
-SAVE_BLOCKING = re.compile(rb"\] \[async\] Finished blocking save in ([0-9.]+) seconds")
 
 
 def loss_checksum(losses: list[float]) -> str:
@@ -67,33 +62,6 @@ def summary(samples: list[float]) -> dict[str, Any]:
         return {"samples": [], "n": 0, "median": None, "p10": None, "p90": None}
     return {"samples": samples, "n": len(samples), "median": quantile(ordered, 0.5),
             "p10": quantile(ordered, 0.1), "p90": quantile(ordered, 0.9)}
-
-
-def steady_state(rank_lines: list[dict[str, Any]], key: str, warmup: int = WARMUP_STEPS) -> list[float]:
-    """`key` of every line after the first `warmup` lines of its attempt (file order: attempts one after another)."""
-    out: list[float] = []
-    seen: dict[Any, int] = {}
-    for line in rank_lines:
-        n = seen[line.get("attempt")] = seen.get(line.get("attempt"), 0) + 1
-        value = line.get(key)
-        if n > warmup and isinstance(value, (int, float)) and value > 0:
-            out.append(float(value))
-    return out
-
-
-def save_seconds(logs: list[Path]) -> tuple[list[float], list[float]]:
-    """Orbax's save durations (whole, blocking) found in these logs."""
-    whole: list[float] = []
-    blocking: list[float] = []
-    for log in logs:
-        try:
-            with open_regular(log) as fh:  # a FIFO or /dev/zero in place of a log: skipped, not waited on
-                text = fh.read()
-        except OSError:
-            continue
-        whole.extend(float(m) for m in SAVE_DONE.findall(text))
-        blocking.extend(float(m) for m in SAVE_BLOCKING.findall(text))
-    return whole, blocking
 
 
 def _median(values: list[float]) -> dict[str, Any]:

@@ -7,9 +7,13 @@ saves cost C per interval, about sqrt(2 C / M) of the time in all. rkit measures
 - C: Orbax's blocking part of each save (async; the whole save when synchronous), from the ranks' logs of this
   run and of earlier runs alike in cost in the same runs directory: the same config but for the length of the run
   and the checkpoint period (cost_key: the same model, mesh, image and file system save the same bytes);
-- M: the failures (every attempt that ended other than completed, preempted or interrupted) over the hours
-  attempts trained, in every run of the runs directory (the cluster's rate), with a stated prior of one failure
-  per PRIOR_MTBF_HOURS counted as one more observation, so that a new cluster is not taken as failure-free;
+- M: the cluster's failures (a node lost, a hang, a lost supervisor, a step Slurm could not start, a corrupt step,
+  a rank that failed after training began) over the node-hours attempts trained (from their first step: queue
+  waits and start-ups are not exposure), in the runs of the runs directory, scaled to this run's node count (a
+  2-node run's reliability applied to a 512-node job is 256 times worse per job hour); a config error (a rank that
+  failed before its first step, the processes not started, out of memory, a full disk) is not the cluster's. A
+  stated prior of one failure per PRIOR_MTBF_HOURS of a job this size counts as one more observation, so that a
+  new cluster is not taken as failure-free;
 - the step time (steady state, from the same runs as C) turns the interval into MaxText's checkpoint_period.
 
 `checkpoint.period: 10m` (a time: s, m or h) asks for that much training between saves instead; the measured step
@@ -17,7 +21,8 @@ time turns it into steps the same way.
 
 MaxText's checkpoint_period is fixed for an attempt, so the period is chosen again when each attempt starts (with
 what the previous attempts measured), within checkpoint.min_period and max_period. Every save lands on a step
-MaxText saves and restores as usual. `choose` is pure; `measure` reads the runs directory.
+MaxText saves and restores as usual. `choose` is pure; `measure` reads the runs directory: the tails of its files
+(events, rank 0's metrics and the newest attempts' logs), so that a month-old run costs what a new one does.
 """
 
 from __future__ import annotations
@@ -31,17 +36,26 @@ from typing import Any
 
 from rkit.contract.config import Config
 from rkit.contract.errors import RkitError
-from rkit.contract.events import EV
+from rkit.contract.events import EV, valid_event
 from rkit.contract.rundir import RunDir
+from rkit.contract.safeio import tail_jsonl
 from rkit.contract.stamp import config_hash, hashed_config
-from rkit.readers.outcome import save_seconds, steady_state
+from rkit.run.ranklogs import save_seconds
 from rkit.runtime.telemetry import metrics
+from rkit.runtime.telemetry.metrics import steady_state
 
 PRIOR_MTBF_HOURS = 24.0  # one failure a day: a small cluster's job-level rate when nothing has been seen yet
 DEFAULT_PERIOD = 100  # before any save or step has been measured (the schema's default period)
-NOT_FAILURES = {"completed", "preempted", "interrupted", "incomplete"}
+# The cluster's failures (policy.Cause values): at any time, or only once training began (before it, a rank's
+# failure is a config error or a broken image: not the cluster's).
+FAILURES = {"node_fail", "hang", "lost", "step_failed", "corrupt_checkpoint", "port_in_use"}
+FAILURES_ONCE_TRAINING = {"task_exit", "task_signal"}
 MOST_RUNS = 200  # the newest run directories read for the failure rate
 MOST_ALIKE = 6  # this run and the newest runs alike in cost read for the save stall and the step time
+EVENTS_TAIL = 4 << 20  # of each run's events.jsonl: a month of attempts and more
+METRICS_TAIL = 4 << 20  # of rank 0's metrics: tens of thousands of steps
+NEWEST_LOGS = 20  # attempts whose rank-0 log is read for save stalls
+LOG_TAIL = 4 << 20  # of each of those logs
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,8 @@ class Measured:
     saves: int
     step_seconds: float | None  # median steady-state step time
     failures: int
-    hours: float  # attempt hours observed (all runs of the runs directory)
+    hours: float  # node-hours of training observed (the runs of the runs directory)
+    nodes: int = 1  # this run's node count: the job fails `nodes` times as often as one node
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,7 @@ class Choice:
     def as_event(self, m: Measured) -> dict[str, Any]:
         return {"period": self.period, "interval_seconds": self.interval_seconds, "mtbf_seconds": self.mtbf_seconds,
                 "save_seconds": m.save_seconds, "saves": m.saves, "step_seconds": m.step_seconds,
-                "failures": m.failures, "hours": round(m.hours, 3), "reason": self.why}
+                "failures": m.failures, "hours": round(m.hours, 3), "node_count": m.nodes, "reason": self.why}
 
 
 def bounded(config: Config, steps: int) -> tuple[int, str]:
@@ -81,10 +96,12 @@ def bounded(config: Config, steps: int) -> tuple[int, str]:
 
 def choose(config: Config, m: Measured) -> Choice:
     """The period for the next attempt (pure)."""
-    mtbf = (m.hours + PRIOR_MTBF_HOURS) / (m.failures + 1) * 3600.0
+    nodes = max(1, m.nodes)
+    mtbf = (m.hours + PRIOR_MTBF_HOURS * nodes) / (m.failures + 1) / nodes * 3600.0
     if (every := config.checkpoint.every_seconds) is not None:
         return _every(config, every, m, mtbf)
-    seen = f"{m.failures} failure(s) in {m.hours:.2f} h of attempts, with a prior of 1 in {PRIOR_MTBF_HOURS:g} h"
+    seen = (f"{m.failures} failure(s) in {m.hours:.2f} node-hours of training, for {nodes} node(s), with a prior "
+            f"of 1 in {PRIOR_MTBF_HOURS:g} h")
     if m.save_seconds is None or m.step_seconds is None or m.step_seconds <= 0:
         period, _ = bounded(config, DEFAULT_PERIOD)
         return Choice(period, None, mtbf, f"no save or step measured yet: {period} steps until one is (MTBF "
@@ -136,26 +153,32 @@ def _runs(run: RunDir) -> list[RunDir]:
 
 
 def _failures_and_hours(events: list[dict]) -> tuple[int, float]:
-    started = {e.get("attempt"): e["t"] for e in events if e.get("event") == EV.ATTEMPT_STARTED}
+    """The cluster's failures and the node-hours trained (each attempt from its first step to its end, times its
+    nodes) in these events."""
+    nodes = {e.get("attempt"): len(e.get("nodes") or ()) or 1 for e in events if e.get("event") == EV.ATTEMPT_STARTED}
+    trained = {e.get("attempt"): e["t"] for e in events if e.get("event") == EV.ATTEMPT_FIRST_STEP}
     failures, seconds = 0, 0.0
     for e in events:
-        if e.get("event") == EV.ATTEMPT_ENDED and e.get("attempt") in started:
-            seconds += max(0.0, e["t"] - started[e.get("attempt")])
-            failures += e.get("cause") not in NOT_FAILURES
+        if e.get("event") != EV.ATTEMPT_ENDED:
+            continue
+        n, cause = e.get("attempt"), e.get("cause")
+        if n in trained:
+            seconds += max(0.0, e["t"] - trained[n]) * nodes.get(n, 1)
+        failures += cause in FAILURES or (cause in FAILURES_ONCE_TRAINING and n in trained)
     return failures, seconds / 3600.0
 
 
-def measure(run: RunDir, resolved: dict | None) -> Measured:
+def measure(run: RunDir, resolved: dict | None, nodes: int = 1) -> Measured:
     """The runs directory's measurements: save stalls and step times of this run (its resolved recipe) and of the
-    runs alike in cost (cost_key), failures and attempt hours of every run (a damaged or foreign directory adds
-    nothing)."""
+    runs alike in cost (cost_key), failures and node-hours of every run (a damaged or foreign directory adds
+    nothing), for a run of `nodes` nodes."""
     key = cost_key(resolved) if resolved is not None else None
     stalls: list[float] = []
     steps: list[float] = []
     failures, hours, alike = 0, 0.0, 0
     for other in _runs(run):
         try:
-            events = other.events()
+            events = tail_jsonl(other.events_file, EVENTS_TAIL, valid_event)
         except (OSError, ValueError, RkitError):  # a damaged run directory tells nothing
             continue
         f, h = _failures_and_hours(events)
@@ -168,14 +191,16 @@ def measure(run: RunDir, resolved: dict | None) -> Measured:
             same = False
         if same:
             alike += 1
-            whole, blocking = save_seconds([other.rank_log(n, 0) for n in other.attempt_numbers()])
+            newest = other.attempt_numbers()[-NEWEST_LOGS:]
+            whole, blocking = save_seconds([other.rank_log(n, 0) for n in newest], LOG_TAIL)
             stalls.extend(blocking or whole)
-            steps.extend(steady_state(metrics.lines(other, 0), "step_time"))
+            steps.extend(steady_state(metrics.lines_tail(other, 0, METRICS_TAIL), "step_time"))
     return Measured(save_seconds=statistics.median(stalls) if stalls else None, saves=len(stalls),
-                    step_seconds=statistics.median(steps) if steps else None, failures=failures, hours=hours)
+                    step_seconds=statistics.median(steps) if steps else None, failures=failures, hours=hours,
+                    nodes=nodes)
 
 
 def for_attempt(run: RunDir, config: Config, resolved: dict | None) -> tuple[Choice, Measured]:
     """The next attempt's period (period: auto or a time) and what it was chosen from."""
-    measured = measure(run, resolved)
+    measured = measure(run, resolved, config.resources.nodes)
     return choose(config, measured), measured

@@ -123,6 +123,29 @@ class LogScan:
         return parts
 
 
+# Orbax's event_tracking lines: the whole save (async: blocking + background) and the part that blocks training.
+SAVE_DONE = re.compile(rb"\] \[(?:async|sync)\] Finished save(?: \(blocking \+ background\))? in ([0-9.]+) seconds")
+SAVE_BLOCKING = re.compile(rb"\] \[async\] Finished blocking save in ([0-9.]+) seconds")
+
+
+def save_seconds(logs: list[Path], tail_bytes: int | None = None) -> tuple[list[float], list[float]]:
+    """Orbax's save durations (whole, blocking) found in these logs (in each one's last `tail_bytes`, if given)."""
+    whole: list[float] = []
+    blocking: list[float] = []
+    for log in logs:
+        try:
+            with open_regular(log) as fh:  # a FIFO or /dev/zero in place of a log: skipped, not waited on
+                if tail_bytes is not None:
+                    fh.seek(0, 2)
+                    fh.seek(max(0, fh.tell() - tail_bytes))
+                text = fh.read()
+        except OSError:
+            continue
+        whole.extend(float(m) for m in SAVE_DONE.findall(text))
+        blocking.extend(float(m) for m in SAVE_BLOCKING.findall(text))
+    return whole, blocking
+
+
 def tail_text(path: Path, tail_bytes: int = 65536) -> str | None:
     """The end of a rank's log as text; None when it cannot be read (missing, or not a regular file: a FIFO in
     its place must not stall the supervisor)."""

@@ -27,6 +27,7 @@ from typing import Any
 
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import JsonlTail, RunDir, read_jsonl
+from rkit.contract.safeio import tail_jsonl
 
 # MaxText's metrics_file keys -> rkit's
 MAXTEXT_KEYS = {"learning/loss": "loss", "perf/step_time_seconds": "step_time",
@@ -170,6 +171,27 @@ def read_rank(path: Path) -> list[StepMetrics]:
 def lines(run: RunDir, rank: int) -> list[dict[str, Any]]:
     """Every line of one rank's file, normalized, in file order (attempts appended one after another)."""
     return [line for line in map(normalize, read_jsonl(run.metrics_file(rank))) if line is not None]
+
+
+def lines_tail(run: RunDir, rank: int, tail_bytes: int) -> list[dict[str, Any]]:
+    """The lines among the last `tail_bytes` of one rank's file (the newest steps of a long run), in file order."""
+    return [line for line in map(normalize, tail_jsonl(run.metrics_file(rank), tail_bytes)) if line is not None]
+
+
+# An attempt's first steps carry compilation, restore and warm-up: not steady state.
+WARMUP_STEPS = 3
+
+
+def steady_state(rank_lines: list[dict[str, Any]], key: str, warmup: int = WARMUP_STEPS) -> list[float]:
+    """`key` of every line after the first `warmup` lines of its attempt (file order: attempts one after another)."""
+    out: list[float] = []
+    seen: dict[Any, int] = {}
+    for line in rank_lines:
+        n = seen[line.get("attempt")] = seen.get(line.get("attempt"), 0) + 1
+        value = line.get(key)
+        if n > warmup and isinstance(value, (int, float)) and value > 0:
+            out.append(float(value))
+    return out
 
 
 def ranks(run: RunDir) -> list[int]:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +30,36 @@ def step_dirs_in(directory: Path | None) -> dict[int, Path]:
             if e.is_dir() and TMP_MARKER not in e.name and e.name.isascii() and e.name.isdigit()}
 
 
+def _committed(path: Path) -> bool:
+    return (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists()
+
+
+# committed_in's last look at a directory: its mtime, every step directory, the committed ones. The supervisor asks
+# every poll; once a step is committed it stays so while its name is listed, and Orbax commits a step by renaming it
+# into place (the directory's mtime changes) or by a marker inside it (only an uncommitted step is looked at again),
+# so an unchanged directory costs one stat plus one per uncommitted step, however many steps it keeps. A change
+# under RECENT_SECONDS old is read again (two renames within the file system's mtime granularity).
+_SEEN: dict[str, tuple[int, dict[int, Path], set[int]]] = {}
+RECENT_SECONDS = 2.0
+
+
 def committed_in(directory: Path | None) -> list[int]:
     """Steps with a committed Orbax checkpoint in `directory`; a `*.orbax-checkpoint-tmp*` one never counts."""
-    return sorted(step for step, path in step_dirs_in(directory).items()
-                  if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists())
+    if directory is None:
+        return []
+    try:
+        seen = os.stat(directory)
+    except OSError:
+        return []
+    cached = _SEEN.get(str(directory))
+    if cached is not None and cached[0] == seen.st_mtime_ns and seen.st_mtime < time.time() - RECENT_SECONDS:
+        _, dirs, committed = cached
+        committed |= {step for step, path in dirs.items() if step not in committed and _committed(path)}
+    else:
+        dirs = step_dirs_in(directory)
+        committed = {step for step, path in dirs.items() if _committed(path)}
+        _SEEN[str(directory)] = (seen.st_mtime_ns, dirs, committed)
+    return sorted(committed)
 
 
 # The kinds of item Orbax and MaxText write in a step, by the handler class _CHECKPOINT_METADATA names for it.
