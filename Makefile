@@ -132,6 +132,7 @@ bench: setup
 	$(PY) tests/benchmarks/telemetry_overhead.py --repeats 3
 	$(PY) tests/benchmarks/status_scale.py --repeats 3
 	$(PY) tests/benchmarks/supervisor_scale.py --ranks 512 --seconds 60
+	$(PY) tests/benchmarks/long_run.py --repeats 3
 	$(PY) tests/benchmarks/gate_noise.py --pairs 10 --repeats 2
 	$(PY) tests/benchmarks/checkpoint_cadence.py --steps 9000 --repeats 1
 	$(PY) tests/benchmarks/local_tier.py --crashes 6

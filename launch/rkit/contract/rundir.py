@@ -9,12 +9,13 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rkit.contract.errors import RkitError, RunDirUnwritable
 from rkit.contract.events import valid_event
-from rkit.contract.safeio import JsonlTail, finite, last_jsonl, load_json, read_jsonl  # noqa: F401
+from rkit.contract.safeio import JsonlTail, finite, last_jsonl, load_json, read_jsonl, tail_jsonl  # noqa: F401
 from rkit.contract.stamp import redact
 
 if TYPE_CHECKING:
@@ -244,7 +245,8 @@ class RunDir:
         dirs = [self.path, self.attempts_dir, self.metrics_dir, self.telemetry_dir, self.checkpoints,
                 self.orbax_dir, self.report_dir, self.tensorboard_dir, self.path / "agent", self.standby_dir]
         if self.attempts_dir.is_dir() and not self.attempts_dir.is_symlink():
-            for attempt in self.attempts_dir.iterdir():
+            for n in self.attempt_numbers()[-1:]:  # older attempts' folders are never written again (an
+                attempt = self.attempt_dir(n)  # attempt's folder that is a link shows in attempts/ itself)
                 dirs += [attempt, attempt / "env", attempt / "maxtext", attempt / "stacks"]
         links = {d for d in dirs if d.is_symlink()}
         for d in dirs:
@@ -333,6 +335,20 @@ class RunDir:
     def events(self) -> list[dict]:
         """Every event whose fields have the vocabulary's types (valid_event); a damaged line is skipped."""
         return list(read_jsonl(self.events_file, valid_event))
+
+    def recent_events(self, enough: Callable[[list[dict]], bool], first_bytes: int = 1 << 20) -> list[dict]:
+        """The newest events, read from the file's end in tails four times longer each time until `enough` says
+        they hold what the caller needs (or the whole file is read): a month-old run's start costs a day-old's."""
+        size = first_bytes
+        while True:
+            found = tail_jsonl(self.events_file, size, valid_event)
+            try:
+                whole = size >= os.stat(self.events_file).st_size
+            except OSError:
+                return found
+            if whole or enough(found):
+                return found
+            size *= 4
 
     # ------------------------------------------------------------ lock
 

@@ -52,10 +52,10 @@ FAILURES = {"node_fail", "hang", "lost", "step_failed", "corrupt_checkpoint", "p
 FAILURES_ONCE_TRAINING = {"task_exit", "task_signal"}
 MOST_RUNS = 200  # the newest run directories read for the failure rate
 MOST_ALIKE = 6  # this run and the newest runs alike in cost read for the save stall and the step time
-EVENTS_TAIL = 4 << 20  # of each run's events.jsonl: a month of attempts and more
-METRICS_TAIL = 4 << 20  # of rank 0's metrics: tens of thousands of steps
-NEWEST_LOGS = 20  # attempts whose rank-0 log is read for save stalls
-LOG_TAIL = 4 << 20  # of each of those logs
+EVENTS_TAIL = 1 << 20  # of each run's events.jsonl: thousands of attempts
+METRICS_TAIL = 256 << 10  # of rank 0's metrics: about a thousand steps
+NEWEST_LOGS = 3  # attempts whose rank-0 log is read for save stalls
+LOG_TAIL = 256 << 10  # of each of those logs: its newest saves
 
 
 @dataclass(frozen=True)

@@ -112,8 +112,9 @@ class Supervisor:
         if self.shape is not None:
             before = self.shape.nodes
         else:  # this supervisor's first attempt: the size the run's last attempt had (a requeue may grow it back)
-            before = next((e.get("node_count") for e in reversed(self.run.events())
-                           if e.get("event") == EV.RUN_RESIZED), self.config.resources.nodes)
+            evs = self.run.recent_events(lambda evs: any(e.get("event") == EV.ATTEMPT_STARTED for e in evs))
+            before = next((e["node_count"] for e in reversed(evs) if e.get("event") in (
+                EV.RUN_RESIZED, EV.ATTEMPT_STARTED) and e.get("node_count")), self.config.resources.nodes)
         self.shape = elastic.shape(self.config, size)
         if before != size:
             self.run.emit(EV.RUN_RESIZED, attempt=attempt, node_count=size, full_nodes=self.shape.full_nodes,
@@ -142,7 +143,9 @@ class Supervisor:
         r = self.config.resilience
         budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit,
                           r.window_steps(self.config.checkpoint.fixed_period))
-        events = self.run.events()
+        # What the start needs: the newest attempt.ended's tally and the newest attempt.started (lost or not).
+        events = self.run.recent_events(lambda evs: {EV.ATTEMPT_ENDED, EV.ATTEMPT_STARTED} <= {
+            e.get("event") for e in evs})
         tally = tally_from_events(events)
         progress = Progress(total_steps=int(self.config.trainer.steps))
         progress.committed = maxtext.latest_committed_step(self.run)
@@ -160,12 +163,13 @@ class Supervisor:
         preflight.shared_paths(self.run, self.backend, self.image, self.next_attempt_number())
         vendor = preflight.gpu_vendor(self.config.gpus_per_node, self.image)
         while True:
-            preflight.no_planted_links(self.run, self.next_attempt_number())
-            self.image = preflight.image_unchanged(self.run, self.image, self.next_attempt_number())
-            if unfit := preflight.gpu_health(self.run, self.backend, vendor, self.next_attempt_number()):
+            number = self.next_attempt_number()
+            preflight.no_planted_links(self.run, number)
+            self.image = preflight.image_unchanged(self.run, self.image, number)
+            if unfit := preflight.gpu_health(self.run, self.backend, vendor, number):
                 self._exclude(sorted(unfit), reason="GPU health check: " + "; ".join(
                     f"{node}: {why}" for node, why in sorted(unfit.items())))
-            outcome = self.run_attempt(progress, pending(self.injections, self.run.events()))
+            outcome = self.run_attempt(progress, pending(self.injections, self.run.events()) if self.injections else [])
             final = self.final_committed()  # the refill window counts in this attempt's period (period auto)
             decision, tally = decide(tally, outcome, replace(budgets, window_steps=r.window_steps(self.period)), final)
             self._record_end(progress.attempt, outcome, decision, tally)
@@ -242,7 +246,8 @@ class Supervisor:
             info["pid_started"] = {name: started_at(pid) for name, pid in info["pids"].items()}
             write_json_atomic(self.run.attempt_record(attempt), info)
             self.run.emit(EV.ATTEMPT_STARTED, attempt=attempt, resume_from_step=committed_before,
-                          nodes=info["nodes"], processes=self.processes, injections=info["injections"],
+                          nodes=info["nodes"], node_count=self.shape.nodes, processes=self.processes,
+                          injections=info["injections"],
                           gradient_accumulation_steps=self.shape.gradient_accumulation_steps,
                           checkpoint_period=self.period,
                           data_position=maxtext.resume_data_position(self.run, committed_before),
