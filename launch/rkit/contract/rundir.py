@@ -250,8 +250,9 @@ class RunDir:
                 dirs += [attempt, attempt / "env", attempt / "maxtext", attempt / "stacks"]
         links = {d for d in dirs if d.is_symlink()}
         for d in dirs:
-            try:
-                links.update(entry for entry in d.iterdir() if entry.is_symlink())
+            try:  # scandir: the entries' types come with the listing (a thousand attempts, no stat each)
+                with os.scandir(d) as entries:
+                    links.update(Path(e.path) for e in entries if e.is_symlink())
             except OSError:  # absent, a link (already named), not a directory
                 pass
         return sorted(links)
@@ -262,7 +263,11 @@ class RunDir:
             raise PlantedLink(links[0])
 
     def attempt_numbers(self) -> list[int]:
-        return sorted(int(p.name) for p in self.attempts_dir.glob("*") if p.name.isascii() and p.name.isdigit())
+        try:
+            names = os.listdir(self.attempts_dir)
+        except OSError:  # none yet (or not a folder: refused where it is written)
+            return []
+        return sorted(int(n) for n in names if n.isascii() and n.isdigit())
 
     def exists(self) -> bool:
         return self.resolved.is_file()
@@ -336,7 +341,7 @@ class RunDir:
         """Every event whose fields have the vocabulary's types (valid_event); a damaged line is skipped."""
         return list(read_jsonl(self.events_file, valid_event))
 
-    def recent_events(self, enough: Callable[[list[dict]], bool], first_bytes: int = 1 << 20) -> list[dict]:
+    def recent_events(self, enough: Callable[[list[dict]], bool], first_bytes: int = 64 << 10) -> list[dict]:
         """The newest events, read from the file's end in tails four times longer each time until `enough` says
         they hold what the caller needs (or the whole file is read): a month-old run's start costs a day-old's."""
         size = first_bytes
