@@ -227,7 +227,7 @@ def test_the_training_budget_refills_after_a_window_of_committed_steps(every, gi
         decision, tally = decide(tally, outcome, budgets, False)
         if n == gives_up_at:
             assert decision.action is Action.GIVE_UP
-            assert "4 training failures within 1000 committed steps of each other " \
+            assert "4 training failures, each within 1000 committed steps of the one before " \
                    "(resilience.budget_window_steps)" in decision.reason
             return
         assert decision.action is Action.RESTART, (n, decision.reason)
@@ -247,7 +247,7 @@ def test_the_infrastructure_budget_refills_and_a_crash_loop_is_still_one():
         decision, tally = decide(tally, Outcome(Cause.NODE_FAIL, at, at, "node failure", nodes=(f"n{at}",)),
                                  budgets, False)
         assert decision.action is action
-    assert "3 failures within 100 committed steps of each other" in decision.reason
+    assert "3 failures, each within 100 committed steps of the one before" in decision.reason
     # The same failure in a row is a crash loop whatever the window: never a lifetime count, never unbounded.
     tally = Tally()
     for n in range(3):
@@ -256,6 +256,21 @@ def test_the_infrastructure_budget_refills_and_a_crash_loop_is_still_one():
     assert decision.action is Action.GIVE_UP and "crash loop" in decision.reason
 
 
+def test_each_budget_refills_on_its_own_stretch():
+    # Training failures 10,000 steps apart with a node lost every 900 steps between them: the node failures do not
+    # keep the training budget from refilling (nor the reverse).
+    budgets = Budgets(max_restarts=1, max_infra_restarts=100, crash_loop_limit=3, window_steps=1000)
+    tally = Tally()
+    for at in range(0, 40_001, 900):
+        if at % 10_000 < 900 and at >= 900:
+            decision, tally = decide(tally, Outcome(Cause.TASK_EXIT, at, at, "rank 0 exited", rank=0, code=1,
+                                                    step=at + 3), budgets, False)
+            assert decision.action is Action.RESTART, decision.reason
+        decision, tally = decide(tally, Outcome(Cause.NODE_FAIL, at, at, "node", nodes=(f"n{at}",)), budgets, False)
+        assert decision.action is Action.RESTART, decision.reason
+    assert tally.training_failures == 1 and tally.infra_failures > 40
+
+
 def test_the_window_and_the_planned_ends_are_replayed_on_resume():
-    tally = Tally(1, 2, 0, (), None, 0, planned_ends=5, last_failure_at=700, refills=2)
+    tally = Tally(1, 2, 0, (), None, 0, planned_ends=5, last_failure_at=700, refills=2, last_infra_at=650)
     assert tally_from_events([{"event": "attempt.ended", "tally": tally.as_dict()}]) == tally

@@ -227,3 +227,21 @@ def test_credentials_and_interpolations_are_refused_at_any_depth_of_an_override(
     with pytest.raises(RecipeError) as err:
         load_recipe(TINY, [override])
     assert says in str(err.value) and "hunter2" not in str(err.value) and ":pw@" not in str(err.value)
+
+
+def test_a_run_started_when_keep_defaulted_to_null_resumes_with_the_new_default(tmp_path):
+    # checkpoint.keep is retention, not training (issue 39 changed its default from null to 3): --resume accepts
+    # it as a recorded change; a change to what is trained is still refused.
+    import json
+
+    from rkit.contract.errors import RkitError
+    from rkit.contract.rundir import RunDir
+    from rkit.run.plan import check_resume
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.resolved.write_text(json.dumps(load_recipe(TINY, ["checkpoint.keep=null"]).resolved))
+    run.manifest.write_text(json.dumps({"config_hash": "sha256:" + "ab" * 32}))
+    assert check_resume(run, load_recipe(TINY), None)["checkpoint.keep"] == [None, 3]
+    with pytest.raises(RkitError, match="changed: trainer.overrides"):
+        check_resume(run, load_recipe(TINY, ["trainer.overrides.base_emb_dim=128"]), None)

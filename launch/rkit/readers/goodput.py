@@ -338,6 +338,8 @@ def _paint(intervals: list[tuple[float, float, str]], sessions: list[tuple[float
         if b != float("inf"):
             edges[b].append((-1, i))
     for j, (a, b) in enumerate(sessions):
+        if b <= a:  # empty, or reversed by a clock step: covers nothing
+            continue
         edges[a].append((1, -1 - j))
         edges[b].append((-1, -1 - j))
     points = sorted(edges)

@@ -3,10 +3,12 @@
 
 What goes, and what stays:
 - a finished run's checkpoints but its final step (the trained weights; its outcome is reproduced from its recipe,
-  image and data, not from checkpoints); a run that stopped short of its end (gave up, interrupted, stopped) keeps
+  image and data, not from checkpoints); a run that stopped short of its end (gave up, interrupted) keeps
   its newest RESUMABLE committed steps, the step `--resume` takes and two to fall back on; unfinished saves
   (Orbax's temporary folders) and quarantined steps of either. A run a supervisor or a Slurm job may still be
-  working on (running, pending, requeued) or whose files cannot be read is left whole and said so.
+  working on (running, pending, requeued, or stopped: no final word, as between a requeue and its restart or when
+  squeue did not answer) or whose files cannot be read is left whole and said so. The image cache is shared by
+  every runs directory: `--images` keeps only what RUNS_DIR's runs name (and each flavor's newest).
 - with `images`: cached images (rkit image build's `<flavor>-<key>.sif` and its record and build log) that no run in
   the runs directory was made with, apart from each flavor's newest (what the next `rkit run` takes).
 - with `caches`: JAX compilation cache entries and `rkit status` digests not used for `older_than_days`.
@@ -30,7 +32,9 @@ from rkit.runtime.trainers import maxtext
 from rkit.runtime.trainers.orbaxdirs import TMP_MARKER
 
 RESUMABLE = 3  # committed steps a resumable run keeps: the one a restart takes and two to fall back on
-BUSY = ("running", "pending", "requeued", "unreadable")
+# Left whole: a supervisor or a Slurm job may still work on it ("stopped": no final word, which is also how a run
+# looks when squeue did not answer or between a requeue and its restart), or its files cannot be read.
+BUSY = ("running", "pending", "requeued", "stopped", "unreadable")
 JAX_SUFFIXES = ("-cache", "-atime")  # JAX's persistent compilation cache: an entry and its access time
 
 

@@ -350,7 +350,7 @@ def render_status(s: dict[str, Any]) -> str:
     for a in s["attempts"]:
         start = resumed_from(a)
         start = start if start == "from scratch" else f"resumed from {start}"
-        end = a.get("cause", "running") + (", a planned end: saved, no budget spent" if a.get("planned") else "")
+        end = str(a.get("cause", "running")) + (", a planned end: saved, no budget spent" if a.get("planned") else "")
         found = "" if not a.get("detected_by") else f"; found by {a['detected_by']}" + (
             f" {a['detect_seconds']:.1f} s after the node's last heartbeat" if a.get("detect_seconds") else "")
         detail = f" ({a['detail']}{found})" if a.get("detail") else ""

@@ -195,8 +195,9 @@ def check_resume(run: RunDir, recipe: Recipe, image: ImageIdentity | None) -> di
                         f"{stamped.get('sha256')}, found {image.sha256} ({image.path}). A resumed run must use the "
                         "same software: restore that image, or start a new run with -o name=NEW.")
     recorded = run.load_resolved()
+    # checkpoint.keep is retention, not training: a run started when it defaulted to null resumes with 3
     training = sorted(k for k in _changed_keys(hashed_config(recorded), hashed_config(recipe.resolved))
-                      if k != "trainer.steps")
+                      if k not in ("trainer.steps", "checkpoint.keep"))
     if training:
         raise RkitError(f"{run.path}: the recipe differs from the one this run was started with in what it trains "
                         f"(changed: {', '.join(training)}); a resumed run must train the same config. Operational "

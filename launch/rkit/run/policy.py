@@ -88,8 +88,8 @@ class Budgets:
     window_steps: int | None = None
 
     def within(self) -> str:
-        return "" if self.window_steps is None else (f" within {self.window_steps} committed steps of each other "
-                                                     "(resilience.budget_window_steps)")
+        return "" if self.window_steps is None else (f", each within {self.window_steps} committed steps of the one "
+                                                     "before (resilience.budget_window_steps)")
 
 
 @dataclass(frozen=True)
@@ -147,20 +147,22 @@ class Tally:
     signature: str | None = None  # the last failure's signature
     repeats: int = 0  # consecutive failures with that signature
     planned_ends: int = 0  # time limits and preemptions answered by a committed save: never charged
-    last_failure_at: int | None = None  # the committed step after the last charged failure (-1: none committed)
-    refills: int = 0  # times a stretch of Budgets.window_steps without a failure refilled the budgets
+    last_failure_at: int | None = None  # the committed step after the last training failure (-1: none committed)
+    refills: int = 0  # times a stretch of Budgets.window_steps without a failure refilled a budget
+    last_infra_at: int | None = None  # the committed step after the last infrastructure failure
 
     def as_dict(self) -> dict:
         return {"training_failures": self.training_failures, "infra_failures": self.infra_failures,
                 "stalled": self.stalled, "stalled_details": list(self.stalled_details),
                 "signature": self.signature, "repeats": self.repeats, "planned_ends": self.planned_ends,
-                "last_failure_at": self.last_failure_at, "refills": self.refills}
+                "last_failure_at": self.last_failure_at, "refills": self.refills,
+                "last_infra_at": self.last_infra_at}
 
     @classmethod
     def from_dict(cls, t: dict) -> Tally:
         return cls(t["training_failures"], t["infra_failures"], t["stalled"], tuple(t["stalled_details"]),
                    t.get("signature"), t.get("repeats", 0), t.get("planned_ends", 0), t.get("last_failure_at"),
-                   t.get("refills", 0))
+                   t.get("refills", 0), t.get("last_infra_at"))
 
 
 class Action(enum.Enum):
@@ -196,15 +198,16 @@ def _crash_loop(tally: Tally, outcome: Outcome, budgets: Budgets) -> Decision | 
 
 
 def _charge(tally: Tally, outcome: Outcome, budgets: Budgets) -> Tally:
-    """Before a failure is charged: a stretch of `window_steps` committed steps since the last charged failure
-    refills both budgets (failures are counted against progress, not over the run's life); then this failure's
-    committed step starts the next stretch."""
+    """Before a failure is charged to its budget: a stretch of `window_steps` committed steps since that budget's
+    last failure refills it (failures are counted against progress, not over the run's life; a node lost now and
+    then does not keep the training budget from refilling); then this failure's committed step starts the next."""
     at = outcome.committed_after if outcome.committed_after is not None else outcome.committed_before
     here = -1 if at is None else at
-    if budgets.window_steps is not None and tally.last_failure_at is not None \
-            and here - tally.last_failure_at >= budgets.window_steps:
-        tally = replace(tally, training_failures=0, infra_failures=0, refills=tally.refills + 1)
-    return replace(tally, last_failure_at=here)
+    infra = outcome.cause.infrastructure
+    last = tally.last_infra_at if infra else tally.last_failure_at
+    if budgets.window_steps is not None and last is not None and here - last >= budgets.window_steps:
+        tally = replace(tally, refills=tally.refills + 1, **{"infra_failures" if infra else "training_failures": 0})
+    return replace(tally, **{"last_infra_at" if infra else "last_failure_at": here})
 
 
 def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bool) -> tuple[Decision, Tally]:

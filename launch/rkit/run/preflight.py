@@ -114,7 +114,7 @@ def checkpoints(run: RunDir) -> str | None:
         run.emit(EV.CHECKPOINT_NOTE, step=step, notes=list(notes))
     for step, problem in sorted(found.quarantine.items(), reverse=True):
         quarantine(run, step, problem)
-    if gone := maxtext.prune_quarantine(run):
+    if not found.suspect and (gone := maxtext.prune_quarantine(run)):  # suspect: what it moved may be the good ones
         run.emit(EV.CHECKPOINT_PRUNED, what="quarantine", names=gone)
     return found.suspect
 
