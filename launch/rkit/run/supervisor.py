@@ -141,15 +141,14 @@ class Supervisor:
 
     def _run_to_end(self) -> RunState:
         r = self.config.resilience
-        budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit,
-                          r.window_steps(self.config.checkpoint.fixed_period))
         # What the start needs: the newest attempt.ended's tally and the newest attempt.started (lost or not).
         events = self.run.recent_events(lambda evs: {EV.ATTEMPT_ENDED, EV.ATTEMPT_STARTED} <= {
             e.get("event") for e in evs})
         tally = tally_from_events(events)
         period = next((e.get("checkpoint_period") for e in reversed(events)  # period auto: the last attempt's
                        if e.get("event") == EV.ATTEMPT_STARTED and e.get("checkpoint_period")), None)
-        budgets = replace(budgets, window_steps=r.window_steps(self.config.checkpoint.fixed_period or period))
+        budgets = Budgets(r.max_restarts, r.max_infra_restarts, r.crash_loop_limit,
+                          r.window_steps(self.config.checkpoint.fixed_period or period))
         progress = Progress(total_steps=int(self.config.trainer.steps))
         progress.committed = maxtext.latest_committed_step(self.run)
         if self.final_committed():

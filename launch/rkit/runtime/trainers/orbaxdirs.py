@@ -241,7 +241,7 @@ def triage(dirs: dict[int, Path], local: bool = False) -> Triage:
     for step in sorted(dirs, reverse=True):
         path = dirs[step]
         checks[step] = check_step(path, local)
-        if (path / "commit_success.txt").exists() or (path / "_CHECKPOINT_METADATA").exists():
+        if _committed(path):
             committed.append(step)
             if checks[step].problem is None:
                 break
