@@ -10,9 +10,11 @@ day 30). For each, medians with min-max over --repeats of:
            CPU time of the supervisor's thread per pass (every 8th pass scans the 512 files);
   start-up what the supervisor does before it launches an attempt: Supervisor._run_to_end from its start up to
            backend.submit (tally_from_events, lost_attempt, the planted-link check, the period choice
-           (cadence.for_attempt), preflight.checkpoints, latest_committed_step, repair_tail/skip_existing of the
+           (cadence.period_for), preflight.checkpoints, latest_committed_step, MetricsTail.at_end of the
            512 metrics files, resume_data_position, the launch request); submit raises, nothing is launched;
-  status   `rkit status --json RUN` in a child process, cold (an empty $RKIT_STATUS_CACHE: status_scale.measure).
+  status   `rkit status --json RUN` in a child process, cold (an empty $RKIT_STATUS_CACHE: status_scale.measure):
+           it starts from <run>/digest/ as the supervisor kept it after the next-to-last attempt's end, and reads
+           the current attempt's lines (day 1 has no earlier attempt: it reads everything).
 
 The issue's target: day 30 / day 1 <= 1.5 for each. Scalings (all knobs below), stated so the figures can be read:
 - events: each attempt has attempt.started, checkpoint.period, agent.started and agent.ready of --agent-ranks
@@ -44,6 +46,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -52,6 +55,7 @@ from supervisor_scale import PER_NODE, REPO, GeneratedRequest, GeneratorBackend
 
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
+from rkit.readers.outcome import chronicle
 from rkit.recipe.load import load_recipe
 from rkit.run import elastic
 from rkit.run.attemptwatch import AttemptWatch
@@ -211,6 +215,38 @@ def write_attempts(run: RunDir, plan: list[Attempt], log_ranks: int) -> None:
             run.rank_log(at.n, r).write_text(NOISE + restored + steps)
 
 
+def cut_at(path: Path, starts: Callable[[dict], bool]) -> int:
+    """The byte offset of the first line of `path` that `starts(parsed line)`, else its size."""
+    offset = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            if starts(json.loads(line)):
+                return offset
+            offset += len(line)
+    return offset
+
+
+def keep_digest(run: RunDir, plan: list[Attempt]) -> None:
+    """<run>/digest/ as the supervisor left it at the end of the next-to-last attempt (outcome.chronicle after its
+    attempt.ended): events.jsonl and rank 0's metrics cut there, digested, made whole again (same inodes)."""
+    if len(plan) < 2:
+        return
+    last = plan[-1].n
+    cuts = {run.events_file: cut_at(run.events_file, lambda e: e.get("event") == EV.CHECKPOINT_PERIOD
+                                    and e.get("attempt") == last),
+            run.metrics_file(0): cut_at(run.metrics_file(0), lambda m: m.get("attempt") == last)}
+    rest = {}
+    for path, cut in cuts.items():
+        with open(path, "rb") as fh:
+            fh.seek(cut)
+            rest[path] = fh.read()
+        os.truncate(path, cut)
+    chronicle(run, run.config(), False)
+    for path, data in rest.items():
+        with open(path, "ab") as fh:
+            fh.write(data)
+
+
 def generate(path: Path, args: argparse.Namespace, days: float, attempts: int, checkpoints: int) -> tuple:
     recipe = load_recipe(REPO / "recipes" / "tiny-slurm.yaml", overrides=[
         f"name={path.name}", f"resources.nodes={NODES}", f"resources.processes_per_node={PER_NODE}",
@@ -227,6 +263,7 @@ def generate(path: Path, args: argparse.Namespace, days: float, attempts: int, c
     write_events(run, plan, period, args.agent_ranks)
     write_metrics(run, plan, args.thin)
     write_attempts(run, plan, args.log_ranks)
+    keep_digest(run, plan)
     dirs = step_dirs_in(run.orbax_dir)
     bad = {s: c.problem for s, c in ((s, check_step(p)) for s, p in dirs.items()) if c.problem}
     found = triage(dirs)
@@ -264,7 +301,8 @@ class Backend(GeneratorBackend):
 
 
 def supervisor(run: RunDir, config, backend: Backend) -> Supervisor:
-    return Supervisor(run, config, [], backend, base_env={}, jax_cache_dir=str(run.path.parent / "jax"))
+    return Supervisor(run, config, [], backend, base_env={}, jax_cache_dir=str(run.path.parent / "jax"),
+                      chronicle=chronicle)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from rkit.backends.base import Handle, RankExit
 from rkit.contract.rundir import RunDir
+from rkit.readers.outcome import chronicle
 from rkit.recipe.load import load_recipe
 from rkit.run.policy import Progress
 from rkit.run.supervisor import Supervisor
@@ -155,7 +156,7 @@ def main() -> None:
         (run.path / "manifest.json").write_text(json.dumps({"config_hash": "sha256:" + "ab" * 32}))
         run.emit("run.submitted")
         sup = Supervisor(run=run, config=recipe.config, injections=[], backend=GeneratorBackend(run, args.seconds),
-                         base_env={}, jax_cache_dir=str(Path(tmp) / "jax"))
+                         base_env={}, jax_cache_dir=str(Path(tmp) / "jax"), chronicle=chronicle)
         cpu, wall = cpu_seconds(), time.monotonic()
         outcome = sup.run_attempt(Progress(total_steps=100000), [])
         cpu, wall = cpu_seconds() - cpu, time.monotonic() - wall

@@ -17,6 +17,7 @@ from rkit.contract.rundir import RunDir
 from rkit.images.identity import ImageIdentity
 from rkit.images.store import sha256_file
 from rkit.readers import outcome
+from rkit.readers.outcome import chronicle
 from rkit.recipe.load import load_recipe
 from rkit.run.attemptwatch import PEER_GRACE_SECONDS
 from rkit.run.policy import Cause, Progress, RunState
@@ -304,7 +305,8 @@ def make(tmp_path: Path, script: Script, *overrides: str, nodes=("n1", "n2", "n3
     missing = [m for m in vars(Backend) if not m.startswith("_") and not hasattr(backend, m)]
     assert not missing, f"the fake backend lacks {missing} of the Backend protocol"
     sup = Supervisor(run=run, config=recipe.config, injections=[], backend=backend, base_env={},
-                     jax_cache_dir=str(tmp_path / "jax"), poll_seconds=0, clock=Clock(), image=image)
+                     jax_cache_dir=str(tmp_path / "jax"), poll_seconds=0, clock=Clock(), image=image,
+                     chronicle=chronicle)
     ref.append(sup)
     return sup, backend
 
@@ -413,7 +415,7 @@ def test_a_shrunk_run_grows_back_when_a_requeue_brings_the_nodes(tmp_path):
     # The requeued job's supervisor, two healthy nodes again: full size, said as such.
     again = Supervisor(run=sup.run, config=sup.config, injections=[], backend=FakeBackend(sup.run, [], Script(),
                        nodes=("n1", "n3")), base_env={}, jax_cache_dir=sup.jax_cache_dir, poll_seconds=0,
-                       clock=Clock())
+                       clock=Clock(), chronicle=chronicle)
     again._resize(3)
     assert again.processes == 2 and events(sup.run, EV.RUN_RESIZED)[-1]["reason"] == "grown back to the full size"
 

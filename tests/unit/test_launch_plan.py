@@ -7,6 +7,7 @@ import shlex
 
 import pytest
 
+from rkit.readers.outcome import chronicle
 from rkit.recipe.load import load_recipe
 from rkit.run import runner
 from rkit.run.plan import plan
@@ -26,7 +27,8 @@ def test_the_first_attempt_starts_the_very_request_the_dry_run_printed(tmp_path)
     assert "  FOO=bar" in text and "(new)" in text
     sup = Supervisor(run=launch.run, config=recipe.config, injections=launch.injections, backend=launch.backend,
                      base_env=launch.base_env, host_env=launch.host_env, image=None,
-                     jax_cache_dir=launch.jax_cache_dir, planned=(1, [0], launch.first_request))
+                     jax_cache_dir=launch.jax_cache_dir, planned=(1, [0], launch.first_request),
+                     chronicle=chronicle)
     in_trainer = [i for i in launch.injections if i.in_trainer]
     assert sup.launch_request(1, in_trainer, launch.run.attempt_dir(1)) is launch.first_request
     later = sup.launch_request(2, in_trainer, launch.run.attempt_dir(2))  # made the same way, for attempt 2

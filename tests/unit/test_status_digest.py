@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rkit.contract.rundir import RunDir
+from rkit.readers import outcome
 from rkit.readers import status as run_status
 from rkit.readers.digest import RunDigest
 
@@ -130,3 +131,30 @@ def test_the_cache_is_private_and_a_folder_others_can_write_is_not_used(tmp_path
     restarts(run.path, attempts=1, steps=10, start_attempt=3)
     assert comparable(run_status.status(run)) == comparable(full_read(run))
     assert {p: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+
+
+def test_a_cold_reader_starts_from_the_supervisors_digest_and_says_what_a_full_read_says(tmp_path: Path,
+                                                                                         monkeypatch):
+    """The supervisor keeps a digest in <run>/digest/ after each attempt's end (outcome.chronicle): a reader with
+    an empty cache (a new machine, a pruned cache) reads only what came after it; one others could write is not
+    loaded."""
+    run = RunDir(tmp_path / "run")
+    restarts(run.path, attempts=4, steps=30)
+    config = run.config()
+    outcome.chronicle(run, config, False)  # attempt 4 ended
+    assert stat.S_IMODE(run.digest_dir.stat().st_mode) == 0o700
+    assert sorted(p.name for p in run.digest_dir.iterdir()) == ["events.pickle", "metrics-0.npz"]
+    kept = (run.events_file.stat().st_size, run.metrics_file(0).stat().st_size)
+    restarts(run.path, attempts=1, steps=12, start_attempt=5)  # attempt 5 is training
+    monkeypatch.setenv("RKIT_STATUS_CACHE", str(tmp_path / "cold"))
+    cold = RunDigest(run, run_status.StatusFold)
+    assert (cold.events_digest.mark.offset, cold.metrics_digest.mark.offset) == kept
+    assert comparable(run_status.status(run)) == comparable(full_read(run))
+    # the reader's own cache, once ahead of the run's, is the one read
+    assert RunDigest(run, run_status.StatusFold).metrics_digest.mark.offset == run.metrics_file(0).stat().st_size
+    run.digest_dir.chmod(0o770)  # a folder others could write to: its pickle is never loaded
+    monkeypatch.setenv("RKIT_STATUS_CACHE", str(tmp_path / "cold-again"))
+    assert RunDigest(run, run_status.StatusFold).events_digest.mark.offset == 0
+    assert comparable(run_status.status(run)) == comparable(full_read(run))
+    outcome.chronicle(run, config, True)  # the final word: outcome.json too; the unsafe folder is left alone
+    assert run.outcome_file.is_file() and sorted(run.digest_dir.iterdir())

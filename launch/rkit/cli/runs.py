@@ -61,6 +61,7 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
     from rkit.readers import status as run_status
     from rkit.readers.display import live_progress
+    from rkit.readers.outcome import chronicle
     from rkit.recipe.load import load_recipe
     from rkit.run import runner
     from rkit.run.policy import RunState
@@ -73,7 +74,8 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
         return
     with live_progress(enabled=not quiet and loaded.config.launcher == "local",
                        total=loaded.total_steps) as on_progress:
-        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress)
+        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress,
+                                           chronicle=chronicle)
     if state is RunState.PENDING:
         click.echo(f"rkit: submitted {run_dir.path} as Slurm job {runner.slurm_job(run_dir)}; "
                    f"follow it with: rkit status {run_dir.path}")
@@ -90,10 +92,11 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def supervise(run_dir: Path) -> None:
     """(Inside a Slurm batch job) run RUN's attempts as job steps."""
+    from rkit.readers.outcome import chronicle
     from rkit.run import runner
     from rkit.run.policy import RunState
 
-    state = runner.supervise(run_dir)
+    state = runner.supervise(run_dir, chronicle)
     sys.exit(0 if state is RunState.REQUEUED else state.exit_code())  # requeued: the batch job ends cleanly
 
 
@@ -150,7 +153,8 @@ def reproduce(run_dir: Path, name: str | None, allow_drift: bool, quiet: bool, l
 
     config = RunDir(run_dir).config()
     with live_progress(enabled=not quiet and config.launcher == "local", total=config.trainer.steps) as progress:
-        new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=progress)
+        new_dir, state = runner.reproduce(run_dir, name=name, allow_drift=allow_drift, on_progress=progress,
+                                           chronicle=outcome.chronicle)
     if state is RunState.PENDING:
         click.echo(f"rkit: submitted {new_dir.path} as Slurm job {runner.slurm_job(new_dir)}; following it")
         state = run_status.follow(new_dir, echo=click.echo)

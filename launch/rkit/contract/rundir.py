@@ -160,6 +160,7 @@ class RunDir:
     # each rank's record of its node-local checkpoints (checkpoint.local_dir: runtime/trainers/localtier.py)
     local_tier_dir = property(lambda self: self.path / "checkpoints" / "local-tier")
     tensorboard_dir = property(lambda self: self.path / "tensorboard")  # MaxText's summaries (trainers/maxtext)
+    digest_dir = property(lambda self: self.path / "digest")  # readers/digest.keep_in_run: status's head start
 
     def metrics_file(self, rank: int) -> Path:
         return self.metrics_dir / f"{rank}.jsonl"

@@ -325,7 +325,7 @@ def fresh_round(recipe_path: Path, overrides: list[str], name: str, echo: Callab
     from rkit.run.policy import RunState
 
     recipe = load_recipe(recipe_path, [*overrides, f"name={name}"])  # the round's name wins over any -o name=
-    run, state = runner.run_recipe(recipe, resume=False, injections=[])
+    run, state = runner.run_recipe(recipe, resume=False, injections=[], chronicle=outcome.chronicle)
     if state is RunState.PENDING:
         state = run_status.follow(run, echo=echo)
     if state is not RunState.FINISHED:

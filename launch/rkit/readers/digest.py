@@ -9,8 +9,12 @@ start, so a digest can make a call faster, never different.
 
 Digests live in the reader's own cache ($RKIT_STATUS_CACHE, else $XDG_CACHE_HOME/rkit/status, else
 ~/.cache/rkit/status), one folder per run directory path, 0700 / 0600: a reader never writes into a run
-directory (it may not own it), and a cache that cannot be used just means a full read. The events digest is a
-pickle and is only ever loaded from a folder this user owns that nobody else can write to.
+directory (it may not own it), and a cache that cannot be used just means a full read. The supervisor, the run
+directory's writer, keeps one more in <run>/digest/ (`keep_in_run`, after each attempt's end and the final word):
+a reader whose own cache is behind (cold: a new machine, another user's account, a pruned cache) starts from that
+one, so a cold `rkit status` of a month-old run reads what its current attempt appended, not the month. The events
+digest is a pickle and is only ever loaded from a folder this user owns that nobody else can write to (another
+user's run directory's digest is not loaded: a full read).
 """
 
 from __future__ import annotations
@@ -312,17 +316,29 @@ class RunDigest:
     """The digests of one run directory: events and rank 0's metrics. Keep one across the frames of a live view;
     `save` writes them to the cache when enough is new."""
 
-    def __init__(self, run: RunDir, fold: Callable[[], Any], cache: Path | None = None):
+    def __init__(self, run: RunDir, fold: Callable[[], Any], cache: Path | None = None, *,
+                 folder: Path | None = None):
+        """The digests in `folder`, else in the reader's cache (`cache`, else cache_root()) or, where the run's
+        own (<run>/digest/, the supervisor's) has read further, that one."""
         self.run = run
         self.new_fold = fold
-        root = cache_root() if cache is None else cache
-        try:
-            key = _sha(str(run.path.resolve()).encode("utf-8", "surrogateescape"))[:32]
-        except OSError:
-            key = None
-        self.folder = None if key is None else root / key
-        self.events_digest: EventsDigest = self._load_events()
-        self.metrics_digest: MetricsDigest = self._load_metrics()
+        if folder is None:
+            root = cache_root() if cache is None else cache
+            try:
+                key = _sha(str(run.path.resolve()).encode("utf-8", "surrogateescape"))[:32]
+            except OSError:
+                key = None
+            folder = None if key is None else root / key
+        self.folder = folder
+        self.events_digest: EventsDigest = self._load_events(folder)
+        self.metrics_digest: MetricsDigest = self._load_metrics(folder)
+        if folder != run.digest_dir:
+            kept = self._load_events(run.digest_dir)
+            if kept.mark.offset > self.events_digest.mark.offset:
+                self.events_digest = kept  # into the reader's cache once SAVE_AFTER_BYTES more were read
+            kept = self._load_metrics(run.digest_dir)
+            if kept.mark.offset > self.metrics_digest.mark.offset:
+                self.metrics_digest = kept
 
     # ------------------------------------------------------------------ reading
 
@@ -335,13 +351,11 @@ class RunDigest:
 
     # ------------------------------------------------------------------ the cache
 
-    def _path(self, name: str) -> Path | None:
-        return None if self.folder is None else self.folder / name
-
-    def _open(self, name: str) -> Any:
+    @staticmethod
+    def _open(folder: Path | None, name: str) -> Any:
         """A digest file open for reading, only from a folder this user owns and nobody else can write to, never
         through a link, and only when this user owns the file and nobody else can write to it; else None."""
-        path = self._path(name)
+        path = None if folder is None else folder / name
         if path is None or not path.parent.is_dir() or _private_dir(path.parent) is None:
             return None
         try:
@@ -355,9 +369,9 @@ class RunDigest:
             return None
         return fh
 
-    def _load_events(self) -> EventsDigest:
+    def _load_events(self, folder: Path | None) -> EventsDigest:
         fresh = EventsDigest(fold=self.new_fold())
-        fh = self._open("events.pickle")
+        fh = self._open(folder, "events.pickle")
         if fh is None:
             return fresh
         try:
@@ -373,8 +387,8 @@ class RunDigest:
         except Exception:  # noqa: BLE001 - a cache that cannot be read is a cache that is not there
             return fresh
 
-    def _load_metrics(self) -> MetricsDigest:
-        fh = self._open("metrics-0.npz")
+    def _load_metrics(self, folder: Path | None) -> MetricsDigest:
+        fh = self._open(folder, "metrics-0.npz")
         if fh is None:
             return MetricsDigest()
         try:
@@ -421,3 +435,16 @@ class RunDigest:
                     os.unlink(tmp)
                 except OSError:
                     pass
+
+
+def keep_in_run(run: RunDir, fold: Callable[[], Any]) -> None:
+    """The supervisor's copy of the digests, brought up to date in <run>/digest/ (0700): read from where the last
+    copy stopped (an attempt's lines), written whole. A cache: whatever goes wrong here leaves the run as it was
+    and a reader reads more."""
+    try:
+        digest = RunDigest(run, fold, folder=run.digest_dir)
+        digest.fold()
+        digest.rank0()
+        digest.save(force=True)
+    except Exception:  # noqa: BLE001 - never a reason for the run to stop
+        pass

@@ -29,6 +29,8 @@ from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.readers import goodput
+from rkit.readers.digest import keep_in_run
+from rkit.readers.status import StatusFold
 from rkit.run.policy import FINAL_EVENTS
 from rkit.run.ranklogs import save_seconds
 from rkit.runtime.telemetry import metrics
@@ -110,6 +112,15 @@ def compute(run: RunDir, events: list[dict] | None = None, config: Config | None
         "checkpoint_blocking_seconds": _median(blocking),
         "goodput": good["goodput"],
     }
+
+
+def chronicle(run: RunDir, config: Config, final: bool) -> None:
+    """What the supervisor leaves for the readers (run/supervisor.Chronicle): status's digest of the run so far
+    (<run>/digest/, readers/digest.keep_in_run) after each attempt's end, and outcome.json with it after the final
+    word."""
+    if final:
+        write(run, config)
+    keep_in_run(run, StatusFold)
 
 
 def write(run: RunDir, config: Config | None = None) -> dict[str, Any]:

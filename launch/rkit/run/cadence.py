@@ -56,6 +56,8 @@ EVENTS_TAIL = 256 << 10  # of each run's events.jsonl: its recent attempts (a 51
 METRICS_TAIL = 256 << 10  # of rank 0's metrics: about a thousand steps
 NEWEST_LOGS = 3  # attempts whose rank-0 log is read for save stalls
 LOG_TAIL = 256 << 10  # of each of those logs: its newest saves
+# what _failures_and_hours reads (a sieve before parsing: a 512-rank attempt's agent.* lines are most of its bytes)
+ATTEMPT_EVENTS = tuple(f'"{e}"'.encode() for e in (EV.ATTEMPT_STARTED, EV.ATTEMPT_FIRST_STEP, EV.ATTEMPT_ENDED))
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def measure(run: RunDir, resolved: dict | None, nodes: int = 1) -> Measured:
     failures, hours, alike = 0, 0.0, 0
     for other in _runs(run):
         try:
-            events = tail_jsonl(other.events_file, EVENTS_TAIL, valid_event)
+            events = tail_jsonl(other.events_file, EVENTS_TAIL, valid_event, having=ATTEMPT_EVENTS)
         except (OSError, ValueError, RkitError):  # a damaged run directory tells nothing
             continue
         f, h = _failures_and_hours(events)
@@ -204,3 +206,13 @@ def for_attempt(run: RunDir, config: Config, resolved: dict | None) -> tuple[Cho
     """The next attempt's period (period: auto or a time) and what it was chosen from."""
     measured = measure(run, resolved, config.resources.nodes)
     return choose(config, measured), measured
+
+
+def period_for(run: RunDir, config: Config, attempt: int) -> int | None:
+    """The attempt's period: with checkpoint.period auto or a time, from what the runs directory measured, said as
+    a checkpoint.period event; the recipe's period otherwise."""
+    if not config.checkpoint.auto:
+        return config.checkpoint.fixed_period
+    choice, measured = for_attempt(run, config, run.load_resolved())
+    run.emit(EV.CHECKPOINT_PERIOD, attempt=attempt, **choice.as_event(measured))
+    return choice.period

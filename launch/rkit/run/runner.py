@@ -29,7 +29,7 @@ from rkit.run import access
 from rkit.run.lock import RunLock
 from rkit.run.plan import LaunchPlan, bound_agent_path, check_resume, plan, plan_supervised
 from rkit.run.policy import Progress, RunState
-from rkit.run.supervisor import Supervisor
+from rkit.run.supervisor import Chronicle, Supervisor
 from rkit.runtime import determinism, manifest
 from rkit.runtime.inject import Injection
 from rkit.runtime.trainers import localtier
@@ -132,14 +132,14 @@ def apply_changes(run: RunDir, recipe: Recipe, changes: dict[str, list], trainin
              **({"training_change": why} if why else {}))
 
 
-def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection],
+def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection], chronicle: Chronicle,
                on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
     """`rkit run`: plan (a missing apptainer or image fails here, before anything exists), then execute: run here
     (local) or submit the batch job (slurm: RunState.PENDING)."""
-    return execute(plan(recipe, resume=resume, injections=injections), on_progress=on_progress)
+    return execute(plan(recipe, resume=resume, injections=injections), chronicle, on_progress=on_progress)
 
 
-def execute(launch: LaunchPlan, on_progress: Callable[[Progress], None] = lambda p: None
+def execute(launch: LaunchPlan, chronicle: Chronicle, on_progress: Callable[[Progress], None] = lambda p: None
             ) -> tuple[RunDir, RunState]:
     if launch.launcher == "slurm":
         return submit_slurm(launch), RunState.PENDING
@@ -150,6 +150,7 @@ def execute(launch: LaunchPlan, on_progress: Callable[[Progress], None] = lambda
         supervisor = Supervisor(run=run, config=launch.recipe.config, injections=launch.injections,
                                 backend=launch.backend, base_env=launch.base_env, host_env=launch.host_env,
                                 image=launch.image, jax_cache_dir=launch.jax_cache_dir, on_progress=on_progress,
+                                chronicle=chronicle,
                                 planned=(launch.first_attempt, [i.index for i in launch.injections if i.in_trainer],
                                          launch.first_request))
         supervisor.install_signal_handlers()
@@ -179,13 +180,13 @@ def slurm_job(run: RunDir) -> str | None:
     return submitted_job_id(run.events(), str(run.events_file))
 
 
-def supervise(run_path: Path) -> RunState:
+def supervise(run_path: Path, chronicle: Chronicle) -> RunState:
     """Inside the batch job: plan from the run directory, then run the attempts as job steps; on a requeue
     decision, requeue this very job."""
-    return execute_supervised(plan_supervised(RunDir(run_path).require(), dict(os.environ)))
+    return execute_supervised(plan_supervised(RunDir(run_path).require(), dict(os.environ)), chronicle)
 
 
-def execute_supervised(launch: LaunchPlan) -> RunState:
+def execute_supervised(launch: LaunchPlan, chronicle: Chronicle) -> RunState:
     from rkit.backends.slurm import launcher as slurm
 
     run, config, image, jax_cache = launch.run, launch.config, launch.image, launch.jax_cache_dir
@@ -209,7 +210,7 @@ def execute_supervised(launch: LaunchPlan) -> RunState:
                  batch_host=manifest.socket.gethostname(), allocation=backend.allocation(), excluded=excluded)
         supervisor = Supervisor(run=run, config=config, injections=launch.injections, backend=backend,
                                 base_env=launch.base_env, host_env=launch.host_env, image=image,
-                                jax_cache_dir=jax_cache)
+                                jax_cache_dir=jax_cache, chronicle=chronicle)
         supervisor.install_signal_handlers()
         signal.signal(signal.SIGUSR1, supervisor.request_preempt)
         try:
@@ -253,7 +254,7 @@ def _acquire_with_patience(run: RunDir, seconds: float = 60) -> RunLock:
             time.sleep(1)
 
 
-def reproduce(source: Path, *, name: str | None, allow_drift: bool,
+def reproduce(source: Path, *, name: str | None, allow_drift: bool, chronicle: Chronicle,
               on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
     """Relaunch a run with its resolved config and the same image digest, as a new run beside it, through the
     run's own launcher (a Slurm run is submitted as a Slurm job: RunState.PENDING)."""
@@ -286,7 +287,8 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool,
                                 "--allow-drift to run anyway (the drift is recorded in the new manifest).")
             else:
                 extra["drift"] = {"image": note, "changed": changed}
-    return execute(plan(recipe, resume=False, injections=[], image=image, extra_stamp=extra), on_progress=on_progress)
+    return execute(plan(recipe, resume=False, injections=[], image=image, extra_stamp=extra), chronicle,
+                   on_progress=on_progress)
 
 
 def dry_run(recipe: Recipe, injections: list[Injection], resume: bool = False) -> str:

@@ -20,7 +20,6 @@ from rkit.contract.config import Config
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, write_json_atomic
 from rkit.images.identity import ImageIdentity
-from rkit.readers import outcome as run_outcome
 from rkit.run import cadence, elastic, preflight
 from rkit.run.attempt import attempt_request
 from rkit.run.attemptrecord import close_record, lost_attempt, refuse_if_alive, started_at
@@ -46,8 +45,10 @@ from rkit.run.policy import (
 )
 from rkit.run.tbmarks import mark_restart
 from rkit.runtime.inject import Injection, pending
-from rkit.runtime.telemetry.metrics import MetricsTail, repair_tail
+from rkit.runtime.telemetry.metrics import MetricsTail
 from rkit.runtime.trainers import localtier, maxtext
+
+Chronicle = Callable[[RunDir, Config, bool], None]
 
 
 @dataclass
@@ -58,6 +59,9 @@ class Supervisor:
     backend: Backend[Any, Any]
     base_env: dict[str, str]
     jax_cache_dir: str
+    # What the readers get after each attempt's end (False) and after the final word (True): the caller's
+    # (readers/outcome.chronicle: outcome.json at the end, status's digest each time); run/ reads nothing of theirs.
+    chronicle: Chronicle
     host_env: dict[str, str] = field(default_factory=dict)
     image: ImageIdentity | None = None
     on_progress: Callable[[Progress], None] = lambda p: None
@@ -67,6 +71,7 @@ class Supervisor:
     _interrupted: bool = field(default=False, init=False)
     _preempt: str | None = field(default=None, init=False)
     _by_supervisor: list[Injection] = field(default_factory=list, init=False)  # preempt, lose_node: pending
+    _start_events: list[dict] | None = field(default=None, init=False)  # the newest when this one started
     step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
     shape: elastic.Shape | None = field(default=None, init=False)  # the current attempt's size (run/elastic.py)
     period: int | None = field(default=None, init=False)  # the current attempt's checkpoint period
@@ -112,8 +117,7 @@ class Supervisor:
         if self.shape is not None:
             before = self.shape.nodes
         else:  # this supervisor's first attempt: the size the run's last attempt had (a requeue may grow it back)
-            evs = self.run.recent_events(lambda evs: any(e.get("event") == EV.ATTEMPT_STARTED for e in evs))
-            before = next((e["node_count"] for e in reversed(evs) if e.get("event") in (
+            before = next((e["node_count"] for e in reversed(self.start_events()) if e.get("event") in (
                 EV.RUN_RESIZED, EV.ATTEMPT_STARTED) and e.get("node_count")), self.config.resources.nodes)
         self.shape = elastic.shape(self.config, size)
         if before != size:
@@ -123,6 +127,14 @@ class Supervisor:
                           reason="shrunk: nodes lost and no spare left; the global batch is kept by accumulation"
                           if self.shape.shrunk else "grown back to the full size")
         return True
+
+    def start_events(self) -> list[dict]:
+        """The newest events when this supervisor started, read once: what the start needs (the newest
+        attempt.ended's tally, the newest attempt.started, lost or not, and its size)."""
+        if self._start_events is None:
+            self._start_events = self.run.recent_events(lambda evs: {EV.ATTEMPT_ENDED, EV.ATTEMPT_STARTED} <= {
+                e.get("event") for e in evs})
+        return self._start_events
 
     def final_committed(self) -> bool:
         return maxtext.final_committed(self.run, self.config.trainer.final_step)
@@ -141,9 +153,7 @@ class Supervisor:
 
     def _run_to_end(self) -> RunState:
         r = self.config.resilience
-        # What the start needs: the newest attempt.ended's tally and the newest attempt.started (lost or not).
-        events = self.run.recent_events(lambda evs: {EV.ATTEMPT_ENDED, EV.ATTEMPT_STARTED} <= {
-            e.get("event") for e in evs})
+        events = self.start_events()
         tally = tally_from_events(events)
         period = next((e.get("checkpoint_period") for e in reversed(events)  # period auto: the last attempt's
                        if e.get("event") == EV.ATTEMPT_STARTED and e.get("checkpoint_period")), None)
@@ -186,13 +196,15 @@ class Supervisor:
     def _final(self, kind: str, **fields: object) -> RunState:
         """The run's final word, then what it came out as (outcome.json: `rkit compare`, `rkit status`)."""
         self.run.emit(kind, **fields)
-        run_outcome.write(self.run, self.config)
+        self.chronicle(self.run, self.config, True)
         return FINAL_EVENTS[kind]
 
     def _record_end(self, attempt: int, outcome: Outcome, decision: Decision, tally: Tally) -> None:
         self.run.emit(EV.ATTEMPT_ENDED, attempt=attempt, cause=outcome.cause.value, detail=outcome.detail,
                       committed_step=outcome.committed_after, decision=decision.action.value, reason=decision.reason,
                       tally=tally.as_dict(), **({"planned": True} if outcome.planned else {}))
+        if decision.action not in FINAL_WORD:  # else _final's, right after
+            self.chronicle(self.run, self.config, False)
 
     def run_attempt(self, progress: Progress, injections: list[Injection]) -> Outcome:
         """Start one attempt, watch it until `classify` says how it ends, end it that way, record it."""
@@ -200,7 +212,7 @@ class Supervisor:
         attempt_dir = self.run.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=False)
         sized = self._resize(attempt)
-        self.period = self._choose_period(attempt)
+        self.period = cadence.period_for(self.run, self.config, attempt)
         suspect = preflight.checkpoints(self.run)
         if self.config.checkpoint.local_dir:  # a left-out node's local steps are on a disk no attempt reads
             localtier.forget(self.run, self.excluded())
@@ -215,11 +227,7 @@ class Supervisor:
         self.on_progress(progress)
 
         self.run.metrics_dir.mkdir(exist_ok=True)
-        for rank in range(self.processes):
-            repair_tail(self.run.metrics_file(rank))
-        tails = {rank: MetricsTail(self.run.metrics_file(rank)) for rank in range(self.processes)}
-        for tail in tails.values():
-            tail.skip_existing()
+        tails = {rank: MetricsTail.at_end(self.run.metrics_file(rank)) for rank in range(self.processes)}
         in_trainer = [i for i in injections if i.in_trainer]
         sigterm_at = min((i for i in injections if i.kind == "sigterm"), key=lambda i: i.step, default=None)
         self._by_supervisor = [i for i in injections if i.kind in ("preempt", "lose_node")]
@@ -428,15 +436,6 @@ class Supervisor:
         self.run.emit(EV.NODES_EXCLUDED, nodes=nodes, excluded=list(exclude), healthy=healthy,
                       reason=reason)
         return elastic.size_for(self.config, len(healthy)) is None
-
-    def _choose_period(self, attempt: int) -> int | None:
-        """checkpoint.period auto or a time: the attempt's period from what the runs directory measured
-        (run/cadence.py), said as an event; the recipe's period otherwise."""
-        if not self.config.checkpoint.auto:
-            return self.config.checkpoint.fixed_period
-        choice, measured = cadence.for_attempt(self.run, self.config, self.run.load_resolved())
-        self.run.emit(EV.CHECKPOINT_PERIOD, attempt=attempt, **choice.as_event(measured))
-        return choice.period
 
     def _fire(self, handle: Handle, attempt: int, step: int | None) -> None:
         """The supervisor's own injections at their step: preempt (Slurm's USR1, as request_preempt) and

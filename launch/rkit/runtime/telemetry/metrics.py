@@ -221,18 +221,20 @@ def merge(rank_lines: list[dict[str, Any]]) -> dict[int, dict]:
     return dict(sorted(view.items()))
 
 
-def repair_tail(path: Path) -> None:
-    """End a file cut mid-line by a crash with a newline, so the next attempt's first line stays whole."""
+def repair_tail(path: Path) -> int:
+    """End a file cut mid-line by a crash with a newline, so the next attempt's first line stays whole; its size
+    after (0 when there is none)."""
     try:
         with open(path, "rb+") as fh:
             fh.seek(0, os.SEEK_END)
             if fh.tell() == 0:
-                return
+                return 0
             fh.seek(-1, os.SEEK_END)
             if fh.read(1) != b"\n":
                 fh.write(b"\n")
+            return fh.tell()
     except FileNotFoundError:
-        return
+        return 0
 
 
 class MetricsTail(JsonlTail):
@@ -241,6 +243,14 @@ class MetricsTail(JsonlTail):
     def __init__(self, path: Path):
         super().__init__(path)
         self.last: StepMetrics | None = None
+
+    @classmethod
+    def at_end(cls, path: Path) -> MetricsTail:
+        """One that follows what the next attempt appends: the file's last line, if a crash cut it, is ended
+        first (repair_tail)."""
+        tail = cls(path)
+        tail.offset = repair_tail(path)
+        return tail
 
     def poll(self) -> list[StepMetrics]:
         out = [m for m in map(from_line, self.poll_raw()) if m is not None]
