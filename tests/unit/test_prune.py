@@ -31,6 +31,8 @@ def runs(tmp_path: Path) -> Path:
 
     made("a", Script(), end=RunState.FINISHED)  # finished: its steps, a quarantined one, an unfinished save
     (root / "a" / "checkpoints" / "quarantine" / "6").mkdir(parents=True)
+    for step in (8, 11, 14):  # the local tier's data positions: of a step not kept, of the final step, newer
+        (root / "a" / "checkpoints" / "data-position" / str(step)).mkdir(parents=True)
     (root / "a" / "checkpoints" / "checkpoints" / "12.orbax-checkpoint-tmp-1").mkdir()
     made("b", Script(exit=(None, 6, 3)), "resilience.crash_loop_limit=2", end=RunState.GAVE_UP)
     from rkit.contract.rundir import RunDir
@@ -53,6 +55,7 @@ def test_an_ended_run_keeps_what_it_needs_and_a_held_one_is_left_whole(tmp_path)
         assert [Path(r.path).relative_to(root).as_posix() for r in found.removals] == [
             *(f"a/checkpoints/checkpoints/{s}" for s in before["a"][:-1]),
             "a/checkpoints/checkpoints/12.orbax-checkpoint-tmp-1", "a/checkpoints/quarantine/6",
+            "a/checkpoints/data-position/8",
             *(f"b/checkpoints/checkpoints/{s}" for s in before["b"][:-3])]
         assert found.kept == ("c: running (a supervisor is running this run)",)
         text = CliRunner().invoke(main, ["prune", str(root), "--dry-run"]).output
@@ -63,6 +66,7 @@ def test_an_ended_run_keeps_what_it_needs_and_a_held_one_is_left_whole(tmp_path)
     assert maxtext.committed_steps(b) == before["b"][-3:]
     assert maxtext.committed_steps(c) == before["c"]
     assert not (a.orbax_dir / "12.orbax-checkpoint-tmp-1").exists()
+    assert sorted(p.name for p in (a.checkpoints / "data-position").iterdir()) == ["11", "14"]
 
 
 def test_images_no_run_was_made_with_and_idle_cache_entries_go(tmp_path):

@@ -5,7 +5,8 @@ What goes, and what stays:
 - a finished run's checkpoints but its final step (the trained weights; its outcome is reproduced from its recipe,
   image and data, not from checkpoints); a run that stopped short of its end (gave up, interrupted) keeps
   its newest RESUMABLE committed steps, the step `--resume` takes and two to fall back on; unfinished saves
-  (Orbax's temporary folders) and quarantined steps of either. A run a supervisor or a Slurm job may still be
+  (Orbax's temporary folders), quarantined steps and the data positions (checkpoints/data-position/<step>: the
+  node-local tier's) of steps older than the newest kept one and not kept, of either. A run a supervisor or a Slurm job may still be
   working on (running, pending, requeued, or stopped: no final word, as between a requeue and its restart or when
   squeue did not answer) or whose files cannot be read is left whole and said so. The image cache is shared by
   every runs directory: `--images` keeps only what RUNS_DIR's runs name (and each flavor's newest).
@@ -28,7 +29,7 @@ from pathlib import Path
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir
 from rkit.readers import listing
-from rkit.runtime.trainers import maxtext
+from rkit.runtime.trainers import datapos, maxtext
 from rkit.runtime.trainers.orbaxdirs import TMP_MARKER
 
 RESUMABLE = 3  # committed steps a resumable run keeps: the one a restart takes and two to fall back on
@@ -102,6 +103,10 @@ def run_removals(run: RunDir, state: str) -> list[Removal]:
             out.append(Removal(Path(entry.path), size_of(Path(entry.path)), "an unfinished save", run))
     for entry in _entries(run.quarantine_dir):
         out.append(Removal(Path(entry.path), size_of(Path(entry.path)), "a quarantined step", run))
+    for entry in _entries(datapos.directory(run)):  # (the local tier's) newer than every kept step: kept
+        if entry.name.isdigit() and int(entry.name) not in keep and int(entry.name) < max(keep, default=-1):
+            out.append(Removal(Path(entry.path), size_of(Path(entry.path)),
+                               f"the data position of a step no longer kept (kept: {sorted(keep)})", run))
     return out
 
 
