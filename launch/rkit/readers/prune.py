@@ -8,8 +8,9 @@ What goes, and what stays:
   (Orbax's temporary folders), quarantined steps and the data positions (checkpoints/data-position/<step>: the
   node-local tier's) of steps older than the newest kept one and not kept, of either. A run a supervisor or a
   Slurm job may still be working on (running, pending, requeued, or stopped: no final word, as between a requeue
-  and its restart or when squeue did not answer) or whose files cannot be read is left whole and said so. The image cache is shared by
-  every runs directory: `--images` keeps only what RUNS_DIR's runs name (and each flavor's newest).
+  and its restart or when squeue did not answer) or whose files cannot be read is left whole and said so. The
+  image cache is shared by every runs directory: `--images` keeps only what RUNS_DIR's runs name (and each
+  flavor's newest).
 - with `images`: cached images (rkit image build's `<flavor>-<key>.sif` and its record and build log) that no run in
   the runs directory was made with, apart from each flavor's newest (what the next `rkit run` takes).
 - with `caches`: JAX compilation cache entries and `rkit status` digests not used for `older_than_days`.
