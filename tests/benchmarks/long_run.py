@@ -326,8 +326,8 @@ def true_probe(node: str) -> subprocess.Popen:  # no heartbeats are sent: past 3
 def pass_cost(run: RunDir, config, period: int, seconds: float) -> tuple[float, int]:
     """CPU milliseconds of the supervisor's thread per pass of its loop, and the passes, over `seconds`."""
     listener = HeartbeatListener("127.0.0.1")
-    liveness = NodeLiveness(listener, start_probe=true_probe, silence=10.0, probe_timeout=10.0,
-                            jax_heartbeat_seconds=100, clock=time.monotonic)
+    liveness = NodeLiveness(listener, start_probe=true_probe, slurmd_silent=lambda n: None, silence=10.0,
+                            probe_timeout=10.0, jax_heartbeat_seconds=100, clock=time.monotonic)
     backend = Backend(run, seconds, liveness=liveness)
     sup = supervisor(run, config, backend)
     sup.shape, sup.period = elastic.shape(config), period

@@ -16,7 +16,7 @@ from rkit.backends.base import RankExit
 from rkit.contract import heartbeat
 from rkit.contract.events import EV
 from rkit.recipe.load import load_recipe
-from rkit.run.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, suspects
+from rkit.run.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, probe_verdict, suspects
 from rkit.run.policy import Budgets, Cause, Observation, Outcome, Tally, classify, decide
 
 from ..conftest import TINY, wait_until
@@ -102,8 +102,8 @@ class BeatingBackend(FakeBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.liveness = NodeLiveness(HeartbeatListener("127.0.0.1"), self.start_probe, silence=3, probe_timeout=5,
-                                     jax_heartbeat_seconds=16, clock=lambda: self.sup_ref[0].clock())
+        self.liveness = NodeLiveness(HeartbeatListener("127.0.0.1"), self.start_probe, lambda n: None, silence=3,
+                                     probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: self.sup_ref[0].clock())
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         host, _, port = self.liveness.environment()[heartbeat.ADDRESS_ENV].rpartition(":")
         self.to, self.token = (host, int(port)), self.liveness.listener.token
@@ -113,9 +113,7 @@ class BeatingBackend(FakeBackend):
     def start_probe(self, node: str) -> subprocess.Popen:
         self.probed.append(node)
         fault = self.script.faults["silence"]
-        proc = subprocess.Popen(["true" if fault[3] == "alive" else "false"], stdout=subprocess.PIPE, text=True)
-        proc.wait()
-        return proc
+        return _done("true") if fault[3] == "alive" else _said(f"{LAUNCH_FAILED} on node {node}: {NO_CONNECTION}")
 
     def poll(self, handle):
         fault = self.script.faults.get("silence")  # (attempt, step, polls, alive|dead)
@@ -169,8 +167,8 @@ def test_a_silent_node_is_probed_then_excluded_if_dead_and_left_alone_if_alive(t
 def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
     now = [0.0]
     probes: list[str] = []
-    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or _done("false"), silence=3,
-                        probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or _said(HELD_DOWN),
+                        lambda n: None, silence=3, probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
     try:
         live.watch(1, ["c1", "c2"], 1)
         now[0] = STARTUP_SILENCE - 1
@@ -184,10 +182,12 @@ def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
         live.close()
 
 
-def test_a_probe_that_does_not_answer_in_time_confirms_the_node_dead():
+@pytest.mark.parametrize("slurmd", ["refuses", "answers"])
+def test_a_probe_that_does_not_answer_in_time_is_a_death_only_when_the_nodes_slurmd_is_silent_too(slurmd):
     now = [0.0]
-    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: subprocess.Popen(["sleep", "60"]), silence=3,
-                        probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    why = "its slurmd (10.0.0.3:6818) took no connection: Connection refused" if slurmd == "refuses" else None
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: subprocess.Popen(["sleep", "60"]), lambda n: why,
+                        silence=3, probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
     try:
         live.watch(1, ["c1"], 1)
         now[0] = STARTUP_SILENCE + 1
@@ -196,7 +196,16 @@ def test_a_probe_that_does_not_answer_in_time_confirms_the_node_dead():
         assert live.check({})[1] == {}  # still within the probe's time
         now[0] += 2
         notes, dead = live.check({})
-        assert "did not answer within 5 s" in dead["c1"] and notes[0]["event"] == "node.dead"
+        if slurmd == "refuses":
+            assert dead["c1"].endswith("did not answer within 5 s and " + why) and notes[0]["event"] == "node.dead"
+            return
+        # a controller slow to create the step (the node's slurmd is up): no verdict, probed again later
+        assert dead == {} and notes[0]["event"] == "node.unconfirmed" and notes[0]["next_probe_seconds"] == 6
+        assert notes[0]["probe"].endswith("but its slurmd takes connections")
+        now[0] += 2
+        assert live.check({}) == ([], {})  # within its backoff
+        now[0] += 5
+        assert [n["event"] for n in live.check({})[0]] == ["node.suspected"]
     finally:
         live.close()
 
@@ -205,6 +214,65 @@ def _done(program: str) -> subprocess.Popen:
     proc = subprocess.Popen([program], stdout=subprocess.PIPE, text=True)
     proc.wait()
     return proc
+
+
+def _said(line: str, code: int = 1) -> subprocess.Popen:
+    """A finished probe whose srun printed `line` and exited `code`."""
+    proc = subprocess.Popen(["sh", "-c", 'echo "$1"; exit "$2"', "probe", line, str(code)], stdout=subprocess.PIPE,
+                            text=True)
+    proc.wait()
+    return proc
+
+
+# Slurm 24.11's own words (src/common/slurm_errno.c; srun's launch and step-creation errors)
+LAUNCH_FAILED = "srun: error: Task launch for StepId=4242.7 failed"
+NO_CONNECTION = "Communication connection failure"
+HELD_DOWN = ("srun: error: Unable to create step for job 4242: Required node not available (down, drained or "
+             "reserved)")
+PROBE_WORDS = {
+    "launch failed on the node": (f"{LAUNCH_FAILED} on node c2: {NO_CONNECTION}", "dead"),
+    "connect timed out": (f"{LAUNCH_FAILED} on node c2: Connection timed out establishing", "dead"),
+    "held down by the controller": (HELD_DOWN, "dead"),
+    "launch failed on another node": (f"{LAUNCH_FAILED} on node c20: {NO_CONNECTION}", "unconfirmed"),
+    "controller busy": ("srun: error: Unable to create step for job 4242: Socket timed out on send/recv operation",
+                        "unconfirmed"),
+    "controller down": ("srun: error: Unable to confirm allocation for job 4242: Unable to contact slurm controller "
+                        "(connect failure)", "unconfirmed"),
+    "step limit": ("srun: error: Unable to create step for job 4242: Step limit reached for this job",
+                   "unconfirmed"),
+    "nodes busy": ("srun: Job 4242 step creation temporarily disabled, retrying (Requested nodes are busy)",
+                   "unconfirmed"),
+    "rate limited": ("srun: error: Unable to create step for job 4242: Rate limit exceeded, please retry "
+                     "momentarily", "unconfirmed"),
+    "no words": ("", "unconfirmed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROBE_WORDS))
+def test_a_probe_says_dead_only_in_slurms_words_about_that_node(case):
+    line, verdict = PROBE_WORDS[case]
+    got, why = probe_verdict("c2", 1, f"srun: warning: can't run 1 processes on 2 nodes\n{line}\n")
+    assert got == verdict and (not line or line in why) and why.startswith("the probe step failed (exit 1)")
+    assert probe_verdict("c2", 0, line) == ("alive", "")
+
+
+def test_the_backend_asks_the_nodes_slurmd_itself(tmp_path):
+    from rkit.backends.slurm.launcher import SlurmStepBackend
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: a connection is refused
+    try:
+        backend = SlurmStepBackend(nodes_per_step=2, tasks_per_node=1)
+        backend._slurmd = {"up": listening.getsockname(), "gone": closed.getsockname()}
+        assert backend.slurmd_silent("up") is None
+        assert "took no connection: Connection refused" in backend.slurmd_silent("gone")
+        assert backend.slurmd_silent("unknown-node") is None  # no address from the controller: no evidence
+    finally:
+        listening.close()
+        closed.close()
 
 
 def test_a_step_the_launcher_could_not_start_is_infrastructure_and_never_a_crash_loop():
@@ -229,6 +297,10 @@ SRUN_LOGS = {
                "Task launch for StepId=41.3 failed on node c2: Communication connection failure", ["c2"]),
     "before agents": ("srun: error: c3: task 1: Exited with exit code 255\n", "no rank started (srun: error: c3: "
                       "task 1: Exited with exit code 255)", ["c3"]),
+    # an unreadable SIF: every node's task fails the same way; no node is to blame (issue 40)
+    "every node": ("srun: error: c1: task 0: Exited with exit code 255\nsrun: error: c3: task 1: Exited with exit "
+                   "code 255\n", "no rank started (srun: error: c3: task 1: Exited with exit code 255); on every node "
+                   "of the step: the image or the launcher, not the nodes", []),
 }
 
 
@@ -252,7 +324,7 @@ def test_srun_failing_to_start_the_step_names_what_slurm_said_and_the_nodes(tmp_
     run.emit(EV.AGENT_STARTED, attempt=1, rank=0, pid=1, warm=False)
     again = StepHandle.cold(request, _done("false"))
     backend.poll(again)
-    assert (again.launch_failed is None) == (case == "before agents")
+    assert (again.launch_failed is None) == (case in ("before agents", "every node"))
 
 
 def test_status_and_goodput_show_the_detection_and_each_part_of_the_recovery():
@@ -288,8 +360,8 @@ def test_status_and_goodput_show_the_detection_and_each_part_of_the_recovery():
 def test_a_node_that_answers_its_probe_while_still_silent_is_probed_again_less_and_less_often():
     now = [0.0]
     probes: list[float] = []
-    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(now[0]) or _done("true"), silence=3,
-                        probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(now[0]) or _done("true"),
+                        lambda n: None, silence=3, probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
     try:
         live.watch(1, ["c1"], 1)
         now[0] = STARTUP_SILENCE + 1  # a node whose container takes long to start: alive, never heard from

@@ -12,8 +12,14 @@ collective with a dead peer hangs. So every node of an attempt sends the supervi
   alive      when the probe succeeds or its heartbeat comes back (a slow node, a long save or compilation: the
              attempt goes on; a node that stays silent is probed again after twice as long each time, 2 x silence
              first, at most MAX_BACKOFF);
-  dead       when the probe fails or times out: the supervisor ends the attempt as a node failure, cancels the step
-             and excludes the node, so the next attempt runs on the healthy nodes and the spares.
+  dead       only on evidence about the node itself (`probe_verdict`): Slurm's own words that srun could not reach
+             the node's slurmd or that the controller holds the node down, or a probe that did not answer in time
+             while the node's slurmd does not accept a connection either (the backend's `slurmd_silent`). The
+             supervisor ends the attempt as a node failure, cancels the step and excludes the node, so the next
+             attempt runs on the healthy nodes and the spares;
+  unconfirmed  any other failed probe (a busy or failing-over controller, a step limit, srun's own error, a slurmd
+             that answers but a step that does not start): no verdict on the node, which is probed again after the
+             same backoff as a live one (`node.unconfirmed`): a wrong death costs a healthy node, a late one seconds.
 
 `suspects` is the pure policy (tested without sleeping); `HeartbeatListener` the socket; `NodeLiveness` one
 attempt's watch, driven by the supervisor's loop and its clock.
@@ -21,6 +27,7 @@ attempt's watch, driven by the supervisor's loop and its clock.
 
 from __future__ import annotations
 
+import re
 import secrets
 import socket
 import subprocess
@@ -30,6 +37,13 @@ from typing import Any
 
 from rkit.contract import heartbeat
 
+# Slurm's own words (src/common/slurm_errno.c) when srun could not reach a node's slurmd: on srun's "Task launch for
+# StepId=S failed on node N: ..." line, which names the node, they are evidence against that node.
+UNREACHABLE = ("Communication connection failure", "Connection refused", "Connection timed out establishing",
+               "No route to host", "Network is unreachable")
+# The controller's own verdict on the one node a probe asks for: it holds the node down or drained.
+HELD_DOWN = ("Required node not available (down, drained or reserved)",)
+LAUNCH_ON_NODE = re.compile(r"failed on node (\S+?):? ")
 STARTUP_SILENCE = 30.0  # before a node's first heartbeat: its container, Python and the agent start
 MAX_BACKOFF = 60.0  # a node found alive while still silent is probed again after 2x, 4x ... the silence, at most this
 MAX_DATAGRAMS = 4096  # read per pass at most: a flood cannot hold the supervisor's loop
@@ -97,19 +111,30 @@ class Probe:
     started: float
     deadline: float
 
-    def result(self, now: float) -> tuple[bool, str] | None:
-        """(alive, what it said) once it ended or timed out; None while it runs."""
+    def result(self, now: float) -> tuple[str, str] | None:
+        """(verdict, what it said) once it ended or timed out: probe_verdict's, or "timeout"; None while it
+        runs."""
         code = self.proc.poll()
         if code is None and now < self.deadline:
             return None
         if code is None:
             self.proc.kill()
             self.proc.wait()
-            return False, f"the probe step did not answer within {self.deadline - self.started:.0f} s"
-        said = (self.proc.stdout.read() if self.proc.stdout else "").strip().splitlines()
-        if code == 0:
-            return True, ""
-        return False, f"the probe step failed (exit {code}){': ' + said[-1][:300] if said else ''}"
+            return "timeout", f"the probe step did not answer within {self.deadline - self.started:.0f} s"
+        return probe_verdict(self.node, code, self.proc.stdout.read() if self.proc.stdout else "")
+
+
+def probe_verdict(node: str, code: int, output: str) -> tuple[str, str]:
+    """A probe step's verdict on `node` from its exit and srun's words: "alive", "dead" (Slurm said it cannot
+    reach the node, or holds it down) or "unconfirmed" (anything else: no word on the node), and what decided."""
+    if code == 0:
+        return "alive", ""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        on = LAUNCH_ON_NODE.search(line)
+        if (on and on.group(1) == node and any(w in line for w in UNREACHABLE)) or any(w in line for w in HELD_DOWN):
+            return "dead", f"the probe step failed (exit {code}): {line[:300]}"
+    return "unconfirmed", f"the probe step failed (exit {code}){': ' + lines[-1][:300] if lines else ''}"
 
 
 @dataclass
@@ -118,6 +143,8 @@ class NodeLiveness:
 
     listener: HeartbeatListener
     start_probe: Callable[[str], subprocess.Popen]  # the backend's probe step on one node
+    # the backend's: why the node's slurmd takes no connection (None when it does, or nobody knows)
+    slurmd_silent: Callable[[str], str | None]
     silence: float
     probe_timeout: float
     jax_heartbeat_seconds: int
@@ -167,12 +194,18 @@ class NodeLiveness:
             if result is None:
                 continue
             del self.probes[node]
-            alive, said = result
-            if alive:
+            verdict, said = result
+            if verdict == "timeout":  # the step did not start in time: the controller's delay or a dead node
+                refused = self.slurmd_silent(node)
+                verdict, said = ("dead", f"{said} and {refused}") if refused else \
+                    ("unconfirmed", f"{said}, but its slurmd takes connections")
+            if verdict != "dead":
                 wait = self.backoff[node] = min(MAX_BACKOFF, 2 * self.backoff.get(node, self.silence))
                 self.cleared[node] = now + max(0.0, wait - self.silence)
                 notes.append({"event": "node.alive", "node": node, "how": "it answered the probe step",
-                              "after_seconds": round(now - probe.started, 3)})
+                              "after_seconds": round(now - probe.started, 3)} if verdict == "alive" else
+                             {"event": "node.unconfirmed", "node": node, "probe": said,
+                              "probe_seconds": round(now - probe.started, 3), "next_probe_seconds": wait})
             else:
                 self.dead.add(node)
                 silent = round(now - self.since[node], 3)

@@ -32,6 +32,7 @@ from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's qu
     requeue,
     slurm_output,
     slurm_version,
+    slurmd_address,
     step_id,
     submitted_job_id,
 )
@@ -55,6 +56,9 @@ OWNED_OPTIONS = {
     "--container": "image and slurm.container_launch", "--chdir": "the run directory",
     "--export": "rkit passes the environment the job needs", "--export-file": "rkit passes the environment",
 }
+# How long a probe that timed out may wait more for the node's slurmd to take a TCP connection (a dead host sends no
+# refusal): the supervisor's loop waits this long at most, once per dead-looking node.
+SLURMD_CONNECT_SECONDS = 2.0
 # sbatch options that are whole options of their own although an owned option starts with them
 NOT_ABBREVIATIONS = {"--gpus"}
 
@@ -193,6 +197,7 @@ class SlurmStepBackend:
         self.python = python or os.environ.get("RKIT_PYTHON") or "python3"
         self.exclude = list(exclude)
         self.image_python = image_python  # the image's Python (imageagent.probe)
+        self._slurmd: dict[str, tuple[str, int]] = {}  # node -> its slurmd's address and port, asked once
         self.agent_path = agent_path  # an image without rkit's agent: the bound copy's directory
         # How the nodes reach this host (its NodeAddr): the standby step's and the heartbeats' address.
         address = node_address(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
@@ -201,7 +206,8 @@ class SlurmStepBackend:
                                         tasks_per_node) if warm_standby else None
         # Every node's heartbeat and the probe step that confirms a silent node dead (liveness.py).
         self.liveness = None if liveness is None else NodeLiveness(
-            HeartbeatListener(address), self.start_probe, silence=float(liveness.node_silence_seconds),
+            HeartbeatListener(address), self.start_probe, self.slurmd_silent,
+            silence=float(liveness.node_silence_seconds),
             probe_timeout=float(liveness.node_probe_seconds), jax_heartbeat_seconds=liveness.jax_heartbeat_seconds,
             clock=time.monotonic)
 
@@ -212,6 +218,23 @@ class SlurmStepBackend:
                                  f"--job-name=probe-{node}", "--output=none", "true"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, start_new_session=True)
+
+    def slurmd_silent(self, node: str) -> str | None:
+        """Why `node`'s slurmd takes no connection (refused, or no answer in SLURMD_CONNECT_SECONDS), None when it
+        does or when its address is not known (the controller did not say: no evidence against the node)."""
+        if node not in self._slurmd:
+            found = slurmd_address(node)
+            if found is None:
+                return None
+            self._slurmd[node] = found
+        address, port = self._slurmd[node]
+        try:
+            socket.create_connection((address, port), timeout=SLURMD_CONNECT_SECONDS).close()
+        except TimeoutError:
+            return f"its slurmd ({address}:{port}) did not answer a connection in {SLURMD_CONNECT_SECONDS:g} s"
+        except OSError as exc:
+            return f"its slurmd ({address}:{port}) took no connection: {exc.strerror or exc}"
+        return None
 
     def allocation(self) -> list[str]:
         return hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]

@@ -51,6 +51,15 @@ def node_address(node: str) -> str:
     return match.group(1) if match else node
 
 
+def slurmd_address(node: str) -> tuple[str, int] | None:
+    """Where `node`'s slurmd listens (scontrol show node: NodeAddr and Port, else the cluster's SlurmdPort)."""
+    out = slurm_output(["scontrol", "show", "node", node], timeout=10)
+    addr = re.search(r"NodeAddr=(\S+)", out)
+    port = re.search(r"\bPort=(\d+)", out) or re.search(
+        r"SlurmdPort\s*=\s*(\d+)", slurm_output(["scontrol", "show", "config"], timeout=10))
+    return (addr.group(1), int(port.group(1)) if port else 6818) if addr else None
+
+
 # A Slurm job id: digits, with _N for an array task or +N for a heterogeneous job's component.
 JOB_ID = re.compile(r"^[0-9]{1,12}([_+][0-9]{1,9})?$")
 

@@ -130,21 +130,24 @@ class StepHandle(Handle):
 
     def _launch_failure(self, text: str, exits: dict[int, RankExit]) -> str | None:
         """What srun said when it could not start the step (the nodes it named go to `failed_nodes`), or, when no
-        rank's agent started at all, srun's last error line: the step failed before training could."""
+        rank's agent started at all, srun's last error line: the step failed before training could. A failure on
+        every node of a cold step is the image's or the launcher's (an unreadable SIF, a broken bind), not every
+        node's: no node is named, and the same failure again is a crash loop, never an empty allocation."""
         found = list(SRUN_LAUNCH_FAILED.finditer(text))
-        for match in found:
-            if (node := match.group(1)) and node not in self.failed_nodes:
-                self.failed_nodes.append(node)
-        if found:
-            return found[0].group(0).removeprefix("srun: error: ").strip()
-        run, attempt = RunDir(self.request.env["RKIT_RUN_DIR"]), self.request.attempt
-        if any(e.get("event") == EV.AGENT_STARTED and e.get("attempt") == attempt for e in run.events()):
-            return None
-        for rank_exit in exits.values():  # srun named the nodes whose tasks ended before their agent began
-            if rank_exit.node and rank_exit.returncode != 0 and rank_exit.node not in self.failed_nodes:
-                self.failed_nodes.append(rank_exit.node)
-        errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
-        return "no rank started" + (f" ({errors[-1][:300]})" if errors else "")
+        blamed = [n for m in found if (n := m.group(1))]
+        said = found[0].group(0).removeprefix("srun: error: ").strip() if found else None
+        if said is None:
+            run, attempt = RunDir(self.request.env["RKIT_RUN_DIR"]), self.request.attempt
+            if any(e.get("event") == EV.AGENT_STARTED and e.get("attempt") == attempt for e in run.events()):
+                return None
+            # srun named the nodes whose tasks ended before their agent began
+            blamed = [e.node for e in exits.values() if e.node and e.returncode != 0]
+            errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+            said = "no rank started" + (f" ({errors[-1][:300]})" if errors else "")
+        if len(self.parts) == 1 and self.request.nodes and set(blamed) >= set(self.request.nodes):
+            return f"{said}; on every node of the step: the image or the launcher, not the nodes"
+        self.failed_nodes.extend(n for n in dict.fromkeys(blamed) if n not in self.failed_nodes)
+        return said
 
     def running(self) -> list[int]:
         return [rank for part in self.parts if part.alive
