@@ -111,6 +111,9 @@ class GeneratorBackend:
     def healthy_nodes(self) -> list[str]:  # every node the recipe asks for (none healthy: no attempt would start)
         return [f"n{i}" for i in range(4096)]
 
+    def recheck(self, nodes: list[str]) -> dict[str, str | None]:
+        return dict.fromkeys(nodes, "generated")
+
     def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
         return {}, None
 

@@ -87,6 +87,7 @@ class FakeBackend:
         self.stops: list[float] = []
         self.gpu_checks: list[str] = []
         self.requests: list[FakeRequest] = []
+        self.rechecked: list[list[str]] = []
 
     def prepare(self, *, attempt, processes, trainer_args, base_env, attempt_dir, cwd, port=None, host_env=None):
         if len(self.healthy_nodes()) < processes:  # one process per node
@@ -215,6 +216,11 @@ class FakeBackend:
 
     def healthy_nodes(self) -> list[str]:
         return [n for n in self.all_nodes if n not in self.exclude]
+
+    def recheck(self, nodes: list[str]) -> dict[str, str | None]:
+        self.rechecked.append(list(nodes))
+        answers = (self.script.faults.get("answers") or ((),))[0]  # (nodes that answer when asked again,)
+        return {n: None if n in answers else "still down" for n in nodes}
 
     def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
         blind = self.script.faults.get("unseen")  # (node, ...): nodes that see none of the paths

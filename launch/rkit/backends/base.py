@@ -162,6 +162,11 @@ class Backend(Protocol[RequestT, HandleT]):
         """Nodes a next attempt may use."""
         ...
 
+    def recheck(self, nodes: list[str]) -> dict[str, str | None]:
+        """Excluded nodes asked again (run/exclusions.py): None for one that answers (it may rejoin), else why it
+        stays out."""
+        ...
+
     def unseen_paths(self, paths: list[str]) -> tuple[dict[str, list[str]], str | None]:
         """Before the first attempt: {node: [paths it cannot see]} over the nodes an attempt may use, and why the
         check could not be made (None when it was)."""

@@ -38,7 +38,8 @@ class EV:
     PREEMPT_SAVED = "preempt.saved"
     PREEMPT_UNSAVED = "preempt.unsaved"
     PREEMPT_ESCALATED = "preempt.escalated"
-    NODES_EXCLUDED = "nodes.excluded"
+    NODES_EXCLUDED = "nodes.excluded"  # left out of later attempts (`withheld`: not, as it would be every node)
+    NODES_REJOINED = "nodes.rejoined"  # excluded nodes that answered when asked again: spares again
     NODE_SUSPECTED = "node.suspected"  # heartbeat silent and no step progress on the node: the probe step starts
     NODE_ALIVE = "node.alive"  # a suspected node answered its probe (slow, not dead): the attempt goes on
     NODE_DEAD = "node.dead"  # a suspected node failed its probe: excluded, the attempt restarted without it

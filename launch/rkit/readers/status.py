@@ -39,7 +39,7 @@ class StatusFold(goodput_events.Fold):
     job_submitted: bool = False
     job_id: Any = None  # of the last job.submitted, as written (checked where it is used)
     jobs_started: list[dict] = field(default_factory=list)
-    excluded: list[str] = field(default_factory=list)  # the last nodes.excluded
+    excluded: list[str] = field(default_factory=list)  # the last nodes.excluded or nodes.rejoined
     injections: list[Any] = field(default_factory=list)
     stragglers: list[dict] = field(default_factory=list)
     disk_low: list[dict] = field(default_factory=list)
@@ -82,7 +82,7 @@ class StatusFold(goodput_events.Fold):
             self.job_submitted, self.job_id = True, e.get("job_id")
         elif kind == EV.JOB_STARTED:
             self.jobs_started.append(e)
-        elif kind == EV.NODES_EXCLUDED:
+        elif kind in (EV.NODES_EXCLUDED, EV.NODES_REJOINED):
             self.excluded = e["excluded"]
         elif kind == EV.INJECT_FIRED:  # the spec as given to --inject; else rebuilt from the event's fields
             self.injections.append(str(e.get("spec") or f"{e.get('kind', '?')}:" + ",".join(

@@ -156,7 +156,8 @@ def plan_supervised(run: RunDir, host: dict[str, str]) -> LaunchPlan:
     events = run.events()
     submitted = [e for e in events if e.get("event") == EV.JOB_SUBMITTED]
     injections = [Injection.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
-    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") == EV.NODES_EXCLUDED), [])
+    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") in (
+        EV.NODES_EXCLUDED, EV.NODES_REJOINED)), [])
     image = None
     if stamp.get("image", {}).get("kind") == "sif":
         image = ImageIdentity(**{k: v for k, v in stamp["image"].items() if k != "kind"})

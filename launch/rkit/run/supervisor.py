@@ -24,6 +24,7 @@ from rkit.run import cadence, elastic, preflight
 from rkit.run.attempt import attempt_request
 from rkit.run.attemptrecord import close_record, lost_attempt, refuse_if_alive, started_at
 from rkit.run.attemptwatch import AttemptWatch
+from rkit.run.exclusions import Exclusions
 from rkit.run.liveness import detection
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import (
@@ -71,6 +72,7 @@ class Supervisor:
     _interrupted: bool = field(default=False, init=False)
     _preempt: str | None = field(default=None, init=False)
     _by_supervisor: list[Injection] = field(default_factory=list, init=False)  # preempt, lose_node: pending
+    _exclusions: Exclusions | None = field(default=None, init=False)
     _start_events: list[dict] | None = field(default=None, init=False)  # the newest when this one started
     step_times: list[float] = field(default_factory=list, init=False)  # the run's, for hang_timeout: auto
     shape: elastic.Shape | None = field(default=None, init=False)  # the current attempt's size (run/elastic.py)
@@ -87,6 +89,12 @@ class Supervisor:
 
     def excluded(self) -> list[str]:
         return list(self.backend.exclude)
+
+    @property
+    def exclusions(self) -> Exclusions:
+        if self._exclusions is None:
+            self._exclusions = Exclusions(self.run, self.config, self.backend, clock=self.clock)
+        return self._exclusions
 
     def launch_request(self, attempt: int, in_trainer: list[Injection], attempt_dir: Path) -> Request:
         """What the backend starts for this attempt: the plan's request for the attempt it planned (what
@@ -179,7 +187,7 @@ class Supervisor:
             preflight.no_planted_links(self.run, number)
             self.image = preflight.image_unchanged(self.run, self.image, number)
             if unfit := preflight.gpu_health(self.run, self.backend, vendor, number):
-                self._exclude(sorted(unfit), reason="GPU health check: " + "; ".join(
+                self.exclusions.add(sorted(unfit), reason="GPU health check: " + "; ".join(
                     f"{node}: {why}" for node, why in sorted(unfit.items())))
             outcome = self.run_attempt(progress, pending(self.injections, self.run.events()) if self.injections else [])
             final = self.final_committed()  # the refill window counts in this attempt's period (period auto)
@@ -189,6 +197,7 @@ class Supervisor:
                 return self._final(FINAL_WORD[decision.action], reason=decision.reason,
                                    committed_step=outcome.committed_after)
             if decision.action is Action.REQUEUE:
+                self.exclusions.readmit(requeue=True)  # the next job's ExcNodeList: only nodes still unfit
                 self.run.emit(EV.JOB_REQUEUE_REQUESTED, reason=decision.reason,
                               committed_step=outcome.committed_after, excluded=list(self.excluded()))
                 return RunState.REQUEUED
@@ -211,6 +220,7 @@ class Supervisor:
         attempt = self.next_attempt_number()
         attempt_dir = self.run.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=False)
+        self.exclusions.readmit(requeue=False)
         sized = self._resize(attempt)
         self.period = cadence.period_for(self.run, self.config, attempt)
         suspect = preflight.checkpoints(self.run)
@@ -277,7 +287,7 @@ class Supervisor:
             if said is None or said[1] == "persistent":
                 preflight.quarantine(self.run, committed_before if said is None else said[0], ending.detail)
         committed_after = maxtext.latest_committed_step(self.run)
-        too_few = self._exclude(list(ending.exclude)) if ending.exclude else False
+        too_few = self.exclusions.add(list(ending.exclude)) if ending.exclude else False
         requeue = ending.requeue or too_few
         # Saved means a checkpoint at or after the step the save was asked at: nothing is recomputed (a period
         # save that committed meanwhile is not the preemption save). A saved preemption is a planned end.
@@ -427,15 +437,6 @@ class Supervisor:
                       grace_seconds=self._grace, reason=reason, **fields)
         self.backend.request_save(handle)
         return self.clock() + self._grace
-
-    def _exclude(self, nodes: list[str], reason: str = "implicated in a node failure") -> bool:
-        """Keep failed nodes out of the next step; True when too few healthy nodes are left (requeue)."""
-        exclude = self.backend.exclude
-        exclude.extend(n for n in nodes if n not in exclude)
-        healthy = self.backend.healthy_nodes()
-        self.run.emit(EV.NODES_EXCLUDED, nodes=nodes, excluded=list(exclude), healthy=healthy,
-                      reason=reason)
-        return elastic.size_for(self.config, len(healthy)) is None
 
     def _fire(self, handle: Handle, attempt: int, step: int | None) -> None:
         """The supervisor's own injections at their step: preempt (Slurm's USR1, as request_preempt) and

@@ -218,6 +218,10 @@ class LocalBackend:
             return [host]
         return [name for i in range(self.node_count) if (name := f"{host}-node{i}") not in self.exclude]
 
+    def recheck(self, nodes: list[str]) -> dict[str, str | None]:
+        """A virtual node lost to `lose_node` rehearses a crashed machine: it stays out."""
+        return dict.fromkeys(nodes, "a virtual node lost to lose_node stays lost")
+
     def lose_node(self, handle: LocalAttempt, rank: int) -> str | None:
         """The `lose_node` injection: rank's virtual node crashes (its ranks are SIGKILLed) and is reported dead
         with the attempt, as srun reports a node failure; the supervisor then leaves it out. None on one node."""

@@ -26,9 +26,11 @@ from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's qu
     checked_job_id,
     cpus_on_node,
     exclude_nodes,
+    held_down,
     hostnames,
     job_state,
     node_address,
+    node_states,
     requeue,
     slurm_output,
     slurm_version,
@@ -42,7 +44,7 @@ from rkit.contract.config import Config, Resilience
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir, current_umask, open_for_writing, write_atomic
 from rkit.contract.stamp import redact
-from rkit.run.liveness import HeartbeatListener, NodeLiveness
+from rkit.run.liveness import HeartbeatListener, NodeLiveness, Probe
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
 # come from.
@@ -236,6 +238,36 @@ class SlurmStepBackend:
             return f"its slurmd ({address}:{port}) took no connection: {exc.strerror or exc}"
         return None
 
+    def recheck(self, nodes: list[str]) -> dict[str, str | None]:
+        """Excluded nodes asked again (run/exclusions.py): one outside this job's allocation or that Slurm holds
+        down or drained stays out; the others get a probe step, all at once, bounded as liveness's are (a probe
+        that times out asks the node's slurmd too). None for each that answers."""
+        allocation = set(self.allocation())
+        out: dict[str, str | None] = {n: "not in this job's allocation" for n in nodes if n not in allocation}
+        states = node_states([n for n in nodes if n in allocation])
+        for node, state in states.items():
+            if node in nodes and held_down(state):
+                out[node] = f"Slurm holds it {state}"
+        timeout = self.liveness.probe_timeout if self.liveness is not None else 5.0
+        probes = {}
+        for node in [n for n in nodes if n not in out]:
+            try:
+                probes[node] = Probe(node, self.start_probe(node), time.monotonic(), time.monotonic() + timeout)
+            except OSError as exc:
+                out[node] = f"the probe step could not start: {exc}"
+        while probes:
+            for node, probe in list(probes.items()):
+                if (result := probe.result(time.monotonic())) is None:
+                    continue
+                del probes[node]
+                verdict, said = result
+                if verdict == "timeout":
+                    silent = self.slurmd_silent(node)
+                    said = f"{said} and {silent}" if silent else f"{said}, but its slurmd takes connections"
+                out[node] = None if verdict == "alive" else said
+            time.sleep(0.1 if probes else 0)
+        return out
+
     def allocation(self) -> list[str]:
         return hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]
 
@@ -364,13 +396,8 @@ class SlurmStepBackend:
     def down_nodes(self, handle: StepHandle) -> list[str]:
         """Nodes of this step that Slurm considers dead (DOWN, FAIL or not responding)."""
         nodes = list(handle.request.nodes)
-        out = slurm_output(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"]) if nodes else ""
-        down = []
-        for line in out.splitlines():
-            name, _, state = line.strip().partition(" ")
-            if name in nodes and name not in down and (state.endswith("*") or state.startswith(("down", "fail"))):
-                down.append(name)
-        return down
+        states = node_states(nodes)
+        return [n for n in nodes if n in states and (states[n].endswith("*") or states[n].startswith(("down", "fail")))]
 
     def stopped_ranks(self, handle: StepHandle) -> list[int]:
         return []  # the ranks' processes are on other nodes

@@ -51,6 +51,23 @@ def node_address(node: str) -> str:
     return match.group(1) if match else node
 
 
+def node_states(nodes: list[str]) -> dict[str, str]:
+    """Slurm's compact state of each node (sinfo %t: idle, alloc, mix, down, drain, fail, ...; a trailing * when
+    it is not responding); {} when sinfo did not answer."""
+    out = slurm_output(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"]) if nodes else ""
+    states: dict[str, str] = {}
+    for line in out.splitlines():
+        name, _, state = line.strip().partition(" ")
+        states.setdefault(name, state.strip())
+    return states
+
+
+def held_down(state: str) -> bool:
+    """A state in which Slurm itself keeps the node from jobs: down, failing, drained or draining, in
+    maintenance, or not responding."""
+    return state.endswith("*") or state.startswith(("down", "fail", "drain", "drng", "maint"))
+
+
 def slurmd_address(node: str) -> tuple[str, int] | None:
     """Where `node`'s slurmd listens (scontrol show node: NodeAddr and Port, else the cluster's SlurmdPort)."""
     out = slurm_output(["scontrol", "show", "node", node], timeout=10)

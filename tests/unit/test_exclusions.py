@@ -1,0 +1,54 @@
+"""run/exclusions.py (issue 40): a node is excluded on evidence but never the whole allocation, and an exclusion
+expires: asked again before a later attempt (after RECHECK_AFTER) and before every requeue, a node that answers
+rejoins as a spare, so the requeued job's ExcNodeList holds only nodes still unfit."""
+
+from __future__ import annotations
+
+from rkit.contract.events import EV
+from rkit.run.exclusions import RECHECK_AFTER, Exclusions
+from rkit.run.policy import Cause
+
+from .test_attempt_loop import Script, attempt, events, make
+
+
+def exclusions(tmp_path, *nodes: str, answers: tuple[str, ...] = ()):
+    sup, backend = make(tmp_path, Script(answers=(answers,)), nodes=nodes)
+    now = [0.0]
+    return Exclusions(sup.run, sup.config, backend, clock=lambda: now[0]), backend, now
+
+
+def test_every_healthy_node_at_once_is_never_excluded(tmp_path):
+    ex, backend, _ = exclusions(tmp_path, "n1", "n2", "n3")
+    assert ex.add(["n3"]) is False and backend.exclude == ["n3"]  # a spare's worth: the job still fits
+    assert ex.add(["n1", "n2"]) is False and backend.exclude == ["n3"]  # both that are left: withheld
+    withheld = events(ex.run, EV.NODES_EXCLUDED)[-1]
+    assert withheld["withheld"] and withheld["excluded"] == ["n3"] and withheld["healthy"] == ["n1", "n2"]
+    assert "not excluded: every healthy node of the allocation would be" in withheld["reason"]
+    assert ex.add(["n2"]) is True and backend.exclude == ["n3", "n2"]  # one of two: too few left, requeue
+
+
+def test_an_excluded_node_is_asked_again_after_a_while_and_rejoins_when_it_answers(tmp_path):
+    ex, backend, now = exclusions(tmp_path, "n1", "n2", "n3", answers=("n2",))
+    ex.add(["n2"])
+    ex.add(["n3"])
+    now[0] = RECHECK_AFTER - 1
+    assert ex.readmit(requeue=False) == [] and backend.rechecked == []  # too soon for an attempt
+    assert ex.readmit(requeue=True) == ["n2"] and backend.rechecked == [["n2", "n3"]]  # a requeue asks all
+    rejoined = events(ex.run, EV.NODES_REJOINED)[0]
+    assert rejoined["nodes"] == ["n2"] and rejoined["excluded"] == ["n3"] and rejoined["still_out"] == {
+        "n3": "still down"}
+    assert backend.exclude == ["n3"] and backend.healthy_nodes() == ["n1", "n2"]
+    now[0] += RECHECK_AFTER - 1  # n3 was found unfit again just now: not asked before an attempt yet
+    assert ex.readmit(requeue=False) == [] and len(backend.rechecked) == 1
+    now[0] += 1
+    assert ex.readmit(requeue=False) == [] and backend.rechecked[-1] == ["n3"]
+
+
+def test_a_node_that_died_and_answers_later_trains_again_as_a_spare(tmp_path):
+    sup, backend = make(tmp_path, Script(node=(1, 7), answers=(("n2",),)))
+    first = attempt(sup)
+    assert first.cause is Cause.NODE_FAIL and backend.exclude == ["n2"]
+    sup.clock.now += RECHECK_AFTER  # a minute later, the next attempt asks it again
+    second = attempt(sup)
+    assert second.cause is Cause.COMPLETED and backend.rechecked == [["n2"]] and backend.exclude == []
+    assert events(sup.run, EV.NODES_REJOINED)[0]["nodes"] == ["n2"]
