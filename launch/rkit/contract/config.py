@@ -87,6 +87,10 @@ class Checkpoint:
         return None if self.auto or self.period is None else int(self.period)
 
 
+# How long a management-network blip may last without JAX's coordination service aborting the job (Resilience).
+JAX_BLIP_MARGIN_SECONDS = 45
+
+
 @dataclass(frozen=True)
 class Resilience:
     max_restarts: int
@@ -111,10 +115,12 @@ class Resilience:
 
     @property
     def jax_heartbeat_seconds(self) -> int:
-        """JAX's coordination-service heartbeat timeout for Slurm attempts: just after rkit's own detection (a
-        node's silence plus its probe), so that rkit names the node first and JAX ends the survivors soon after
-        if rkit could not act. At least 10 s: JAX sends a heartbeat every few seconds."""
-        return max(10, int(2 * (float(self.node_silence_seconds) + float(self.node_probe_seconds))))
+        """JAX's coordination-service heartbeat timeout for Slurm attempts: past rkit's own detection (twice a
+        node's silence plus its probe) by JAX_BLIP_MARGIN_SECONDS, so that rkit names a dead node first and a
+        management-network blip of that length (no heartbeat gets through, every node is alive) does not make
+        JAX abort the whole job; JAX still ends the survivors if rkit could not act. 61 s at the defaults (JAX's
+        own default is 100 s; before issue 40 rkit set 16 s, which a 15 s blip nearly reached)."""
+        return int(2 * (float(self.node_silence_seconds) + float(self.node_probe_seconds))) + JAX_BLIP_MARGIN_SECONDS
 
     @property
     def local_jax_heartbeat_seconds(self) -> int | None:
