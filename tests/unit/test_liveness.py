@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -55,14 +56,15 @@ def test_the_sender_thread_reaches_the_listener_over_udp():
     try:
         thread = heartbeat.start_sender("c1", 4, listener.environment(), stop, interval=0.05)
         beats = wait_until(listener.drain, 10, "a heartbeat")
-        assert beats[0].node == "c1" and beats[0].attempt == 4
+        (beat, arrived), *_ = beats
+        assert beat.node == "c1" and beat.attempt == 4 and abs(time.time() - arrived) < 5  # the kernel's stamp
         # A datagram from anyone else is dropped, and reading never waits when nothing came.
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             port = int(listener.environment()[heartbeat.ADDRESS_ENV].rpartition(":")[2])
             sock.sendto(heartbeat.encode("not the token", "c9", 4, 0), ("127.0.0.1", port))
         stop.set()
         thread.join(5)
-        assert all(b.node == "c1" for b in listener.drain())
+        assert all(b.node == "c1" for b, _ in listener.drain())
         assert listener.drain() == []
     finally:
         stop.set()
@@ -175,7 +177,10 @@ def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
         assert live.check({}) == ([], {}) and probes == []
         now[0] = STARTUP_SILENCE + 1  # never heard from: probed, and dead when the probe fails
         notes, dead = live.check({})
-        assert probes == ["c1", "c2"] and [n["event"] for n in notes] == ["node.suspected"] * 2
+        # every node at once: the supervisor checks its own side first (its own beat comes back: probes go out)
+        assert probes == ["c1", "c2"] and [n["event"] for n in notes] == ["liveness.self_check"] + [
+            "node.suspected"] * 2
+        assert not notes[0]["holding"] and notes[0]["why"].startswith("2 of 2 nodes silent at once; the supervisor's")
         notes, dead = live.check({})
         assert sorted(dead) == ["c1", "c2"] and dead["c1"].startswith("no heartbeat since the attempt started")
     finally:
@@ -192,20 +197,16 @@ def test_a_probe_that_does_not_answer_in_time_is_a_death_only_when_the_nodes_slu
         live.watch(1, ["c1"], 1)
         now[0] = STARTUP_SILENCE + 1
         live.check({})
-        now[0] += 4
-        assert live.check({})[1] == {}  # still within the probe's time
-        now[0] += 2
-        notes, dead = live.check({})
+        assert ticks(live, now, 4) == ([], {})  # still within the probe's time
+        notes, dead = ticks(live, now, 2)
         if slurmd == "refuses":
             assert dead["c1"].endswith("did not answer within 5 s and " + why) and notes[0]["event"] == "node.dead"
             return
         # a controller slow to create the step (the node's slurmd is up): no verdict, probed again later
         assert dead == {} and notes[0]["event"] == "node.unconfirmed" and notes[0]["next_probe_seconds"] == 6
         assert notes[0]["probe"].endswith("but its slurmd takes connections")
-        now[0] += 2
-        assert live.check({}) == ([], {})  # within its backoff
-        now[0] += 5
-        assert [n["event"] for n in live.check({})[0]] == ["node.suspected"]
+        assert ticks(live, now, 2) == ([], {})  # within its backoff
+        assert [n["event"] for n in ticks(live, now, 5)[0]] == ["node.suspected"]
     finally:
         live.close()
 
@@ -214,6 +215,18 @@ def _done(program: str) -> subprocess.Popen:
     proc = subprocess.Popen([program], stdout=subprocess.PIPE, text=True)
     proc.wait()
     return proc
+
+
+def ticks(live: NodeLiveness, now: list[float], seconds: int) -> tuple[list[dict], dict[str, str]]:
+    """The supervisor's loop passing every second for `seconds` (a longer gap is the supervisor's own lateness):
+    the notes and deaths of those passes."""
+    notes, dead = [], {}
+    for _ in range(seconds):
+        now[0] += 1
+        more, died = live.check({})
+        notes += more
+        dead.update(died)
+    return notes, dead
 
 
 def _said(line: str, code: int = 1) -> subprocess.Popen:
@@ -418,3 +431,53 @@ def test_slurms_oom_kill_report_makes_the_task_out_of_memory(tmp_path):
     assert handle.out_of_memory == ("Slurm said: slurmstepd: error: Detected 1 oom_kill event in StepId=41.0. Some "
                                     "of the step tasks have been OOM Killed.")
     assert handle.launch_failed is None
+
+
+class Running:
+    """A probe that has not answered yet (a Popen's poll/kill/wait)."""
+
+    stdout = None
+
+    def poll(self):
+        return None
+
+    def kill(self):
+        pass
+
+    def wait(self):
+        return -9
+
+
+def test_the_supervisor_suspects_itself_first_and_bounds_its_probes(monkeypatch):
+    """issue 40: a late pass of the supervisor's own loop suspects nobody; many nodes silent at once are probed
+    only once its own beat came back, and then at most PROBES_PER_PASS a pass and PROBES_PER_MINUTE a minute."""
+    from rkit.run import liveness
+
+    now = [0.0]
+    probes: list[str] = []
+    nodes = [f"c{i}" for i in range(200)]
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or Running(), lambda n: None,
+                        silence=3, probe_timeout=600, jax_heartbeat_seconds=61, clock=lambda: now[0])
+    try:
+        live.watch(1, nodes, 1)
+        assert live.receive_buffer >= 256 << 10  # sized for 200 nodes' beats, not the kernel's default
+        now[0] = STARTUP_SILENCE - 1
+        live.check({})
+        now[0] = STARTUP_SILENCE + 5  # the loop was away 6 s: its own lateness, nobody is suspected
+        notes, _ = live.check({})
+        assert probes == [] and [n["event"] for n in notes] == ["liveness.self_check"] and notes[0]["holding"]
+        assert "own loop was away 6.0 s" in notes[0]["why"]
+        monkeypatch.setattr(live.listener, "self_beat", lambda: False)  # its own socket hears nothing
+        notes, _ = ticks(live, now, 4)
+        assert probes == [] and notes[-1]["holding"] and "own beat did not come back" in notes[-1]["why"]
+        monkeypatch.setattr(live.listener, "self_beat", lambda: True)
+        # its side is fine again: once checked again (every `silence` seconds), the nodes are probed, a bounded
+        # number a pass
+        notes, _ = ticks(live, now, 2 + 3)
+        assert len(probes) == 3 * liveness.PROBES_PER_PASS and not any(n.get("holding") for n in notes)
+        ticks(live, now, 20)
+        assert len(probes) == liveness.PROBES_PER_MINUTE  # the minute's budget
+        ticks(live, now, 60)
+        assert len(probes) == len(nodes)  # and the next minute's
+    finally:
+        live.close()

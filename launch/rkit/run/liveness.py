@@ -30,7 +30,11 @@ from __future__ import annotations
 import re
 import secrets
 import socket
+import struct
 import subprocess
+import sys
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +50,19 @@ HELD_DOWN = ("Required node not available (down, drained or reserved)",)
 LAUNCH_ON_NODE = re.compile(r"failed on node (\S+?):? ")
 STARTUP_SILENCE = 30.0  # before a node's first heartbeat: its container, Python and the agent start
 MAX_BACKOFF = 60.0  # a node found alive while still silent is probed again after 2x, 4x ... the silence, at most this
-MAX_DATAGRAMS = 4096  # read per pass at most: a flood cannot hold the supervisor's loop
+MAX_DATAGRAMS = 4096  # read per pass at most (16 per node above 256 nodes): a flood cannot hold the loop
+# The receive buffer: room for BUFFERED_SECONDS of every node's beats (the kernel counts some 2 KiB a datagram), so a
+# pass that comes late drops none; within the kernel's limits (net.core.rmem_max, or more with CAP_NET_ADMIN).
+BUFFERED_SECONDS = 16
+BUFFER_BYTES_PER_BEAT = 2048
+MOST_BUFFER_BYTES = 64 << 20
+# Probes are bounded: a burst of suspicion starts at most this many a pass and a minute (the rest wait their turn).
+PROBES_PER_PASS = 16
+PROBES_PER_MINUTE = 128
+# The supervisor suspects itself first: when at least this share of an attempt's nodes (and at least two) would be
+# suspected in one pass, its own side is checked before any node is probed (`liveness.self_check`).
+SELF_SUSPECT_SHARE = 0.5
+SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29 if sys.platform == "linux" else None)  # Linux's SO_TIMESTAMP_OLD
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,17 @@ def suspects(nodes: Mapping[str, float], ranks_of: Mapping[str, list[int]], prog
     return out
 
 
+SELF_NODE = "rkit-supervisor"  # the name on the beat a listener sends itself (self_beat)
+
+
+def _arrival(ancillary: list[tuple[int, int, bytes]]) -> float:
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMP and len(payload) >= 16:
+            seconds, micros = struct.unpack("qq", payload[:16])
+            return seconds + micros / 1e6
+    return time.time()
+
+
 class HeartbeatListener:
     """The supervisor's heartbeat socket (UDP on the address the nodes reach this host at), for the whole job:
     non-blocking, so that reading it never waits on a peer."""
@@ -83,22 +110,72 @@ class HeartbeatListener:
             self.sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         self.sock.setblocking(False)
         self.address = address
+        self.stamped = False  # the kernel stamps each datagram's arrival (SO_TIMESTAMP)
+        if SO_TIMESTAMP is not None:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMP, 1)
+                self.stamped = True
+            except OSError:
+                pass
+        self.most = MAX_DATAGRAMS
+        self.pending: list[tuple[heartbeat.Beat, float]] = []  # beats read by self_beat
 
     def environment(self) -> dict[str, str]:
         return {heartbeat.ADDRESS_ENV: f"{self.address}:{self.sock.getsockname()[1]}",
                 heartbeat.TOKEN_ENV: self.token}
 
-    def drain(self) -> list[heartbeat.Beat]:
-        beats = []
-        for _ in range(MAX_DATAGRAMS):
+    def size_for(self, nodes: int) -> int:
+        """Room for BUFFERED_SECONDS of `nodes` nodes' beats (as much as the kernel allows); the bytes it got."""
+        want = min(MOST_BUFFER_BYTES, max(256 << 10, nodes * BUFFERED_SECONDS * BUFFER_BYTES_PER_BEAT))
+        self.most = max(MAX_DATAGRAMS, 16 * nodes)
+        for option in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
+            if option is None:
+                continue
             try:
-                data = self.sock.recv(heartbeat.MAX_DATAGRAM)
+                self.sock.setsockopt(socket.SOL_SOCKET, option, want)
+                break
+            except OSError:  # SO_RCVBUFFORCE needs CAP_NET_ADMIN: then SO_RCVBUF, capped at net.core.rmem_max
+                continue
+        return self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+    def drain(self) -> list[tuple[heartbeat.Beat, float]]:
+        """The beats that arrived since the last drain, each with its arrival time (time.time(): the kernel's
+        stamp, else now)."""
+        beats, self.pending = self.pending, []
+        space = socket.CMSG_SPACE(16)
+        for _ in range(self.most):
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(heartbeat.MAX_DATAGRAM, space)
             except OSError:  # BlockingIOError: nothing more has arrived
                 break
             beat = heartbeat.decode(self.token, data)
             if beat is not None:
-                beats.append(beat)
+                beats.append((beat, _arrival(ancillary)))
         return beats
+
+    def self_beat(self) -> bool:
+        """Whether a beat this listener sends itself arrives (its socket and this host's network stack work)."""
+        probe = heartbeat.Beat(SELF_NODE, 0, secrets.randbelow(1 << 30))
+        try:
+            self.sock.sendto(heartbeat.encode(self.token, probe.node, probe.attempt, probe.seq),
+                             self.sock.getsockname()[:2])
+        except OSError:
+            return False
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(heartbeat.MAX_DATAGRAM, socket.CMSG_SPACE(16))
+            except BlockingIOError:
+                time.sleep(0.005)
+                continue
+            except OSError:
+                return False
+            beat = heartbeat.decode(self.token, data)
+            if beat == probe:
+                return True
+            if beat is not None:  # a node's: the next drain gets it
+                self.pending.append((beat, _arrival(ancillary)))
+        return False
 
     def close(self) -> None:
         self.sock.close()
@@ -157,6 +234,11 @@ class NodeLiveness:
     cleared: dict[str, float] = field(default_factory=dict)  # node -> when it was last found alive (+ its backoff)
     backoff: dict[str, float] = field(default_factory=dict)  # node -> the wait before its next probe while silent
     dead: set[str] = field(default_factory=set)  # confirmed in this attempt: never probed again
+    started: deque = field(default_factory=deque)  # when the probes of the last minute started
+    last_pass: float | None = None  # when `check` last ran (the supervisor's own lateness)
+    self_checked: float = float("-inf")  # when the supervisor last checked its own side
+    own_side_ok: bool = True  # what that check found
+    receive_buffer: int = 0  # the listener's receive buffer for this attempt (bytes the kernel gave)
 
     def environment(self) -> dict[str, str]:
         """What the ranks need: where to send heartbeats, and JAX's own heartbeat timeout."""
@@ -167,7 +249,9 @@ class NodeLiveness:
         self.end()
         now = self.clock()
         self.listener.drain()  # the previous attempt's last beats
+        self.receive_buffer = self.listener.size_for(len(nodes))
         self.attempt, self.heard, self.cleared, self.dead, self.backoff = attempt, set(), {}, set(), {}
+        self.last_pass = None
         # Before a node's first heartbeat its start-up is allowed STARTUP_SILENCE (less `silence`, which the
         # policy adds).
         self.since = {n: now + max(0.0, STARTUP_SILENCE - self.silence) for n in nodes}
@@ -177,11 +261,13 @@ class NodeLiveness:
         """One pass: read heartbeats, settle probes, start new ones. Returns the notes to record as events
         ({"event": name, ...}) and the nodes confirmed dead with why."""
         now = self.clock()
+        away, self.last_pass = (0.0 if self.last_pass is None else now - self.last_pass), now
         notes: list[dict[str, Any]] = []
         dead: dict[str, str] = {}
-        for beat in self.listener.drain():
+        for beat, arrived in self.listener.drain():
             if beat.attempt == self.attempt and beat.node in self.since:
-                self.since[beat.node] = now
+                # stamped by its arrival (a pass that comes late does not make the beat newer than it is)
+                self.since[beat.node] = max(self.since[beat.node], now - max(0.0, time.time() - arrived))
                 self.heard.add(beat.node)
                 self.backoff.pop(beat.node, None)
                 if (probe := self.probes.pop(beat.node, None)) is not None:
@@ -216,7 +302,15 @@ class NodeLiveness:
                               "heard_from": node in self.heard})
         watched = {n: max(t, self.cleared.get(n, t)) for n, t in self.since.items()
                    if n not in self.probes and n not in self.dead}
-        for suspect in suspects(watched, self.ranks_of, progress, now, self.silence):
+        found = suspects(watched, self.ranks_of, progress, now, self.silence)
+        holding, said = self._own_side(away, len(found), now) if found else (False, None)
+        notes += [said] if said else []
+        if holding:
+            return notes, dead
+        while self.started and now - self.started[0] > 60:
+            self.started.popleft()
+        for suspect in found[:max(0, min(PROBES_PER_PASS, PROBES_PER_MINUTE - len(self.started)))]:
+            self.started.append(now)
             try:
                 proc = self.start_probe(suspect.node)
             except OSError as exc:
@@ -228,6 +322,30 @@ class NodeLiveness:
             notes.append({"event": "node.suspected", "node": suspect.node, "silent_seconds": suspect.silent,
                           "stalled_seconds": suspect.stalled, "heard_from": suspect.node in self.heard})
         return notes, dead
+
+    def _own_side(self, away: float, suspected: int, now: float) -> tuple[bool, dict[str, Any] | None]:
+        """The supervisor suspects itself first: when its own loop was away longer than the silence (what looks
+        silent is its own lateness), or when many nodes look silent at once and its own beat does not come back
+        (its socket, its host's network; checked again every `silence` seconds), no node is probed this pass.
+        Returns whether to hold, and the `liveness.self_check` note when there is news."""
+        if away > self.silence:
+            return True, {"event": "liveness.self_check", "holding": True, "suspected": suspected,
+                          "nodes": len(self.since),
+                          "why": f"the supervisor's own loop was away {away:.1f} s (more than the {self.silence:g} "
+                                 "s silence): no node is suspected on this pass"}
+        if suspected < 2 or suspected / max(1, len(self.since)) < SELF_SUSPECT_SHARE:
+            return False, None
+        if now - self.self_checked < self.silence:
+            return not self.own_side_ok, None
+        self.self_checked = now
+        ok = self.own_side_ok = self.listener.self_beat()
+        return not ok, {"event": "liveness.self_check", "holding": not ok, "suspected": suspected,
+                        "nodes": len(self.since),
+                "why": (f"{suspected} of {len(self.since)} nodes silent at once; the supervisor's own beat came "
+                        "back, so its socket and host are not the cause: probing, at most "
+                        f"{PROBES_PER_PASS} a pass") if ok else
+                       (f"{suspected} of {len(self.since)} nodes silent at once and the supervisor's own beat did not "
+                        "come back: its socket or its host's network is at fault, not the nodes; no node is probed")}
 
     def last_heard(self, node: str) -> float | None:
         return self.since.get(node) if node in self.heard else None
