@@ -481,3 +481,25 @@ def test_the_supervisor_suspects_itself_first_and_bounds_its_probes(monkeypatch)
         assert len(probes) == len(nodes)  # and the next minute's
     finally:
         live.close()
+
+
+def test_a_node_that_trains_but_whose_heartbeats_never_arrive_is_named_once_and_never_probed():
+    now = [0.0]
+    probes: list[str] = []
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or Running(), lambda n: None,
+                        silence=3, probe_timeout=5, jax_heartbeat_seconds=61, clock=lambda: now[0])
+    try:
+        live.watch(1, ["c1", "c2", "c3"], 1)
+        beat = heartbeat.encode(live.listener.token, "c1", 1, 0)
+        to = live.listener.sock.getsockname()
+        notes = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _ in range(int(STARTUP_SILENCE) + 20):  # c1 beats; c2 steps, never heard (a firewall); c3 neither
+                sock.sendto(beat, to)
+                now[0] += 1
+                notes += live.check({0: now[0], 1: now[0]})[0]
+        channel = [n for n in notes if n["event"] == "liveness.channel"]
+        assert [n["node"] for n in channel] == ["c2"] and "UDP to that port may be blocked" in channel[0]["why"]
+        assert set(probes) == {"c3"}  # neither stepping nor heard: suspected as before; c2 is left to Slurm
+    finally:
+        live.close()

@@ -43,6 +43,7 @@ class EV:
     NODE_SUSPECTED = "node.suspected"  # heartbeat silent and no step progress on the node: the probe step starts
     NODE_ALIVE = "node.alive"  # a suspected node answered its probe (slow, not dead): the attempt goes on
     NODE_DEAD = "node.dead"  # a suspected node failed its probe: excluded, the attempt restarted without it
+    LIVENESS_CHANNEL = "liveness.channel"  # a node's ranks step, its heartbeats never arrive: left to Slurm's view
     LIVENESS_SELF_CHECK = "liveness.self_check"  # many nodes silent at once: the supervisor's own side first
     NODE_UNCONFIRMED = "node.unconfirmed"  # a probe that gave no verdict on the node (the controller, a step limit)
     NODE_STRAGGLER = "node.straggler"

@@ -238,6 +238,8 @@ class NodeLiveness:
     last_pass: float | None = None  # when `check` last ran (the supervisor's own lateness)
     self_checked: float = float("-inf")  # when the supervisor last checked its own side
     own_side_ok: bool = True  # what that check found
+    watched_at: float = 0.0  # when this attempt's watch began
+    deaf: set[str] = field(default_factory=set)  # nodes that step but were never heard: left to Slurm's view
     receive_buffer: int = 0  # the listener's receive buffer for this attempt (bytes the kernel gave)
 
     def environment(self) -> dict[str, str]:
@@ -251,7 +253,7 @@ class NodeLiveness:
         self.listener.drain()  # the previous attempt's last beats
         self.receive_buffer = self.listener.size_for(len(nodes))
         self.attempt, self.heard, self.cleared, self.dead, self.backoff = attempt, set(), {}, set(), {}
-        self.last_pass = None
+        self.last_pass, self.watched_at, self.deaf = None, now, set()
         # Before a node's first heartbeat its start-up is allowed STARTUP_SILENCE (less `silence`, which the
         # policy adds).
         self.since = {n: now + max(0.0, STARTUP_SILENCE - self.silence) for n in nodes}
@@ -266,6 +268,7 @@ class NodeLiveness:
         dead: dict[str, str] = {}
         for beat, arrived in self.listener.drain():
             if beat.attempt == self.attempt and beat.node in self.since:
+                self.deaf.discard(beat.node)
                 # stamped by its arrival (a pass that comes late does not make the beat newer than it is)
                 self.since[beat.node] = max(self.since[beat.node], now - max(0.0, time.time() - arrived))
                 self.heard.add(beat.node)
@@ -300,8 +303,9 @@ class NodeLiveness:
                 notes.append({"event": "node.dead", "node": node, "silent_seconds": silent, "probe": said,
                               "probe_seconds": round(now - probe.started, 3), "detected_by": "rkit",
                               "heard_from": node in self.heard})
+        notes += self._deaf_nodes(progress, now)
         watched = {n: max(t, self.cleared.get(n, t)) for n, t in self.since.items()
-                   if n not in self.probes and n not in self.dead}
+                   if n not in self.probes and n not in self.dead and n not in self.deaf}
         found = suspects(watched, self.ranks_of, progress, now, self.silence)
         holding, said = self._own_side(away, len(found), now) if found else (False, None)
         notes += [said] if said else []
@@ -322,6 +326,24 @@ class NodeLiveness:
             notes.append({"event": "node.suspected", "node": suspect.node, "silent_seconds": suspect.silent,
                           "stalled_seconds": suspect.stalled, "heard_from": suspect.node in self.heard})
         return notes, dead
+
+    def _deaf_nodes(self, progress: Mapping[int, float], now: float) -> list[dict[str, Any]]:
+        """Nodes whose ranks step but whose heartbeats never arrived by the end of the start-up allowance: the
+        channel does not work for them (a firewalled port, a name that is not the NodeName). Said once; rkit's
+        heartbeat no longer watches them (no probe storm whenever a step is slow): Slurm's view does."""
+        notes = []
+        for node, ranks in self.ranks_of.items():
+            if node in self.heard or node in self.deaf or now < self.watched_at + STARTUP_SILENCE or \
+                    not any(r in progress for r in ranks):
+                continue
+            self.deaf.add(node)
+            where = self.listener.environment()[heartbeat.ADDRESS_ENV]
+            notes.append({"event": "liveness.channel", "node": node, "address": where,
+                          "why": f"node {node}'s ranks train but none of its heartbeats reached {where} in "
+                                 f"{STARTUP_SILENCE:g} s: UDP to that port may be blocked (a firewall), the address "
+                                 "may not be this host's for that node, or the node's name may differ from its "
+                                 "Slurm NodeName; rkit's own liveness leaves it to Slurm's view (srun, sinfo)"})
+        return notes
 
     def _own_side(self, away: float, suspected: int, now: float) -> tuple[bool, dict[str, Any] | None]:
         """The supervisor suspects itself first: when its own loop was away longer than the silence (what looks
