@@ -83,12 +83,14 @@ def start_sender(node: str, attempt: int, environ: Mapping[str, str], stop: thre
 
     def beat() -> None:
         with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            seq = 0
+            seq, to = 0, None
             while True:
                 try:
-                    sock.sendto(encode(token, node, attempt, seq), (host, port))
+                    # the name resolved once (a stalled DNS lookup would hold every beat), again after a failure
+                    to = to or socket.getaddrinfo(host, port, family, socket.SOCK_DGRAM)[0][4]
+                    sock.sendto(encode(token, node, attempt, seq), to)
                 except OSError:
-                    pass
+                    to = None
                 seq += 1
                 if stop.wait(interval):
                     return
