@@ -6,6 +6,7 @@ the test bed: test_slurm.py and test_slurm_liveness.py."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -71,10 +72,11 @@ def pool_until(pool: SlurmStandbyPool, what: str, timeout: float = 30) -> list[d
 
 
 def cancelled(calls: list[str]):
-    def cancel(name: str, proc: subprocess.Popen) -> None:
-        calls.append(name)
-        proc.kill()
-        proc.wait()
+    def cancel(steps: dict[str, subprocess.Popen]) -> None:
+        for name, proc in steps.items():
+            calls.append(name)
+            proc.kill()
+            proc.wait()
     return cancel
 
 
@@ -238,3 +240,26 @@ def test_a_standby_task_applies_only_an_order_the_supervisor_made_that_sets_what
     assert standby.check_hello(["x", "tok"], "c1", hello.strip()) == ("tok", 2, 77, 1.25, "n")
     assert standby.check_hello(["tok"], "c2", hello.strip()) is None  # a replay under another challenge
     assert standby.check_hello(["tok"], "c1", b"tok 0 1 1.0") is None  # the old line: the token in clear
+
+
+def test_many_steps_are_cancelled_with_one_squeue_and_one_scancel_per_256(tmp_path, monkeypatch):
+    """issue 40: a 512-node job's standbys dismissed within the requeue's signal lead: not a squeue and an scancel
+    each."""
+    from rkit.backends.slurm import launcher
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    names = [f"standby-{k}" for k in range(600)]
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho squeue >> " + str(log) + "\n" + "".join(
+        f"echo '77.{k + 3}|{n}'\n" for k, n in enumerate(names[:-1])))  # the last is not listed yet
+    (bin_dir / "scancel").write_text(f"#!/bin/sh\necho scancel $# >> {log}\n")
+    for tool in ("squeue", "scancel"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    unlisted = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    procs = {n: unlisted for n in names}
+    launcher.SlurmStepBackend._cancel_steps(procs)
+    assert log.read_text().split("\n")[:-1] == ["squeue", "scancel 256", "scancel 256", "scancel 87"]
+    assert unlisted.wait(timeout=10) == -9  # not listed by squeue: its srun's process group was killed

@@ -124,6 +124,20 @@ def cancel(job_id: str) -> bool:
 
 
 
+def step_ids(names: list[str]) -> dict[str, str]:
+    """The ids of this job's steps named `names` (one squeue for all of them); those squeue does not list are
+    left out."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id or not names:
+        return {}
+    wanted, found = set(names), {}
+    for line in slurm_output(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"]).splitlines():
+        step, _, named = line.partition("|")
+        if named.strip() in wanted:
+            found.setdefault(named.strip(), step.split(".")[-1])
+    return found
+
+
 def step_id(name: str) -> str | None:
     """The id of this job's step named `name` (squeue), None when there is none."""
     job_id = os.environ.get("SLURM_JOB_ID")

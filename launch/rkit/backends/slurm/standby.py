@@ -114,10 +114,10 @@ class Pending:
 
 
 class SlurmStandbyPool:
-    """The standby steps of a Slurm job, one per healthy node. `cancel(name, proc)` ends a step by its name (the
-    backend's scancel of <job>.<step>); `healthy()` lists the nodes an attempt may use."""
+    """The standby steps of a Slurm job, one per healthy node. `cancel({name: proc})` ends steps by their names
+    (the backend's scancel of <job>.<step>, all at once); `healthy()` lists the nodes an attempt may use."""
 
-    def __init__(self, cancel: Callable[[str, subprocess.Popen], None], address: str,
+    def __init__(self, cancel: Callable[[dict[str, subprocess.Popen]], None], address: str,
                  healthy: Callable[[], list[str]], tasks_per_node: int):
         self.cancel = cancel
         self.address = address  # how the nodes reach this host (its NodeAddr)
@@ -292,15 +292,18 @@ class SlurmStandbyPool:
                                 "pids": {str(t): p for t, p in sorted(step.pids.items())}})
 
     def _discard(self, step: StandbyStep, reason: str) -> None:
-        alive = step.proc.poll() is None  # before the close: a task that reads EOF ends its step by itself
-        step.close()
+        self._discard_all([step], reason)
+
+    def _discard_all(self, steps: list[StandbyStep], reason: str) -> None:
+        alive = {s.name: s.proc for s in steps if s.proc.poll() is None}  # before the close: a task that reads EOF
+        for step in steps:  # ends its step by itself
+            step.close()
         if alive:
-            self.cancel(step.name, step.proc)
-        self._notes.append({"what": "discarded", "step": step.name, "node": step.node, "reason": reason})
+            self.cancel(alive)
+        self._notes += [{"what": "discarded", "step": s.name, "node": s.node, "reason": reason} for s in steps]
 
     def dismiss(self) -> None:
-        for step in self.steps.values():
-            self._discard(step, "the job's supervisor is done")
+        self._discard_all(list(self.steps.values()), "the job's supervisor is done")
         self.steps.clear()
         for p in self.pending:
             p.conn.close()
