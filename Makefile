@@ -133,7 +133,13 @@ bench: setup
 	$(PY) tests/benchmarks/status_scale.py --repeats 3
 	$(PY) tests/benchmarks/supervisor_scale.py --ranks 512 --seconds 60
 	$(PY) tests/benchmarks/long_run.py --repeats 3
+	$(PY) tests/benchmarks/liveness_sim.py --nodes 4096 --seconds 70
 	$(PY) tests/benchmarks/gate_noise.py --pairs 10 --repeats 2
 	$(PY) tests/benchmarks/checkpoint_cadence.py --steps 9000 --repeats 1
 	$(PY) tests/benchmarks/local_tier.py --crashes 6
 	$(PY) tests/benchmarks/data_fingerprint.py --repeats 200
+	@# on the Slurm test bed, with the cpu image built (make image): a run chained through 12 time limits
+	@sif=$$(ls -t $$HOME/.cache/rkit/images/cpu-*.sif 2>/dev/null | head -1); \
+	if [ -n "$$sif" ] && ci/slurm-testbed.sh status >/dev/null 2>&1; then \
+	  eval "$$(ci/slurm-testbed.sh env)" && $(PY) tests/benchmarks/requeue_chain.py --image "$$sif"; \
+	else echo "rkit: requeue_chain.py skipped: it needs the Slurm test bed up and a cpu image (make image)"; fi

@@ -56,7 +56,8 @@ MAX_DATAGRAMS = 4096  # read per pass at most (16 per node above 256 nodes): a f
 BUFFERED_SECONDS = 16
 BUFFER_BYTES_PER_BEAT = 2048
 MOST_BUFFER_BYTES = 64 << 20
-# Probes are bounded: a burst of suspicion starts at most this many a pass and a minute (the rest wait their turn).
+# Probes are bounded: a burst of suspicion starts at most this many a pass and a minute (a sixteenth of the nodes,
+# if more; the rest wait their turn).
 PROBES_PER_PASS = 16
 PROBES_PER_MINUTE = 128
 # The supervisor suspects itself first: when at least this share of an attempt's nodes (and at least two) would be
@@ -313,7 +314,8 @@ class NodeLiveness:
             return notes, dead
         while self.started and now - self.started[0] > 60:
             self.started.popleft()
-        for suspect in found[:max(0, min(PROBES_PER_PASS, PROBES_PER_MINUTE - len(self.started)))]:
+        per_minute = max(PROBES_PER_MINUTE, len(self.since) // 16)
+        for suspect in found[:max(0, min(PROBES_PER_PASS, per_minute - len(self.started)))]:
             self.started.append(now)
             try:
                 proc = self.start_probe(suspect.node)
@@ -351,6 +353,8 @@ class NodeLiveness:
         (its socket, its host's network; checked again every `silence` seconds), no node is probed this pass.
         Returns whether to hold, and the `liveness.self_check` note when there is news."""
         if away > self.silence:
+            for node in self.since:  # a fresh look from now: nobody read their beats, the buffer may have overflowed
+                self.since[node] = max(self.since[node], now)
             return True, {"event": "liveness.self_check", "holding": True, "suspected": suspected,
                           "nodes": len(self.since),
                           "why": f"the supervisor's own loop was away {away:.1f} s (more than the {self.silence:g} "
