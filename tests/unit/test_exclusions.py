@@ -52,3 +52,33 @@ def test_a_node_that_died_and_answers_later_trains_again_as_a_spare(tmp_path):
     second = attempt(sup)
     assert second.cause is Cause.COMPLETED and backend.rechecked == [["n2"]] and backend.exclude == []
     assert events(sup.run, EV.NODES_REJOINED)[0]["nodes"] == ["n2"]
+
+
+def test_slurms_recheck_keeps_out_what_slurm_holds_down_and_probes_the_rest(tmp_path, monkeypatch):
+    """SlurmStepBackend.recheck with Slurm's commands faked on PATH: a node outside the allocation and one Slurm
+    holds down stay out without a probe; a probe step that succeeds lets a node back; one that fails in Slurm's
+    words about the node keeps it out."""
+    import os
+
+    from rkit.backends.slurm.launcher import SlurmStepBackend
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    probed = tmp_path / "probed"
+    scripts = {
+        "scontrol": "printf 'c1\\nc2\\nc3\\nc4\\n'",
+        "sinfo": "printf 'c2 down*\\nc3 idle\\nc4 mix\\n'",
+        "srun": f'for a in "$@"; do case $a in --nodelist=*) n=${{a#--nodelist=}};; esac; done; echo $n >> {probed}\n'
+                'if [ "$n" = c4 ]; then echo "srun: error: Task launch for StepId=9.3 failed on node c4: '
+                'Communication connection failure"; exit 1; fi',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "c[1-4]")
+    backend = SlurmStepBackend(nodes_per_step=2, tasks_per_node=1)
+    said = backend.recheck(["c2", "c3", "c4", "c9"])
+    assert said["c3"] is None and said["c2"] == "Slurm holds it down*" and said["c9"] == "not in this job's allocation"
+    assert "failed on node c4: Communication connection failure" in said["c4"]
+    assert sorted(probed.read_text().split()) == ["c3", "c4"]

@@ -202,6 +202,17 @@ class Probe:
         return probe_verdict(self.node, code, self.proc.stdout.read() if self.proc.stdout else "")
 
 
+def settled(node: str, verdict: str, said: str, slurmd_silent: Callable[[str], str | None]) -> tuple[str, str]:
+    """A probe's result with a timeout settled: the step did not start in time (the controller's delay, or a dead
+    node): dead when the node's slurmd takes no connection either, else unconfirmed."""
+    if verdict != "timeout":
+        return verdict, said
+    refused = slurmd_silent(node)
+    if refused:
+        return "dead", f"{said} and {refused}"
+    return "unconfirmed", f"{said}, but its slurmd takes connections"
+
+
 def probe_verdict(node: str, code: int, output: str) -> tuple[str, str]:
     """A probe step's verdict on `node` from its exit and srun's words: "alive", "dead" (Slurm said it cannot
     reach the node, or holds it down) or "unconfirmed" (anything else: no word on the node), and what decided."""
@@ -284,11 +295,7 @@ class NodeLiveness:
             if result is None:
                 continue
             del self.probes[node]
-            verdict, said = result
-            if verdict == "timeout":  # the step did not start in time: the controller's delay or a dead node
-                refused = self.slurmd_silent(node)
-                verdict, said = ("dead", f"{said} and {refused}") if refused else \
-                    ("unconfirmed", f"{said}, but its slurmd takes connections")
+            verdict, said = settled(node, *result, self.slurmd_silent)
             if verdict != "dead":
                 wait = self.backoff[node] = min(MAX_BACKOFF, 2 * self.backoff.get(node, self.silence))
                 self.cleared[node] = now + max(0.0, wait - self.silence)

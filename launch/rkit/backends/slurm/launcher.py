@@ -45,7 +45,7 @@ from rkit.contract.config import Config, Resilience
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir, current_umask, open_for_writing, write_atomic
 from rkit.contract.stamp import redact
-from rkit.run.liveness import HeartbeatListener, NodeLiveness, Probe
+from rkit.run.liveness import HeartbeatListener, NodeLiveness, Probe, settled
 
 # sbatch options rkit sets itself (sbatch_options, render_batch): refused in slurm.extra_sbatch, with where they
 # come from.
@@ -261,10 +261,7 @@ class SlurmStepBackend:
                 if (result := probe.result(time.monotonic())) is None:
                     continue
                 del probes[node]
-                verdict, said = result
-                if verdict == "timeout":
-                    silent = self.slurmd_silent(node)
-                    said = f"{said} and {silent}" if silent else f"{said}, but its slurmd takes connections"
+                verdict, said = settled(node, *result, self.slurmd_silent)
                 out[node] = None if verdict == "alive" else said
             time.sleep(0.1 if probes else 0)
         return out
