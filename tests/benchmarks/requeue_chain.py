@@ -18,6 +18,7 @@ restore, compilation: ~30 s on the test bed) seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -63,9 +64,11 @@ def main() -> None:
     parser.add_argument("--minutes", type=int, default=2, help="slurm.time of each job of the chain")
     parser.add_argument("--lead", type=int, default=10, help="slurm.signal_lead_seconds")
     parser.add_argument("--requeues", type=int, default=12, help="fewest requeues the chain must have")
+    parser.add_argument("--keep", type=Path, help="make the runs here and keep them (else a temporary folder)")
     args = parser.parse_args()
     image = str(Path(args.image).resolve())
-    with tempfile.TemporaryDirectory(prefix="rkit-chain-", dir="/tmp") as tmp:
+    with contextlib.nullcontext(str(args.keep)) if args.keep else \
+            tempfile.TemporaryDirectory(prefix="rkit-chain-", dir="/tmp") as tmp:
         if args.steps is None:
             probe, job = submit(Path(tmp), "calibrate", image, 300, "-o", "slurm.time=00:30:00")
             wait_done(probe, job, 1800)
@@ -87,6 +90,9 @@ def main() -> None:
                             "-o", f"slurm.signal_lead_seconds={args.lead}")
         chain_wall = wait_done(chain, job, 6 * 3600) - began
         evs = events(chain)
+        if loss_sha(chain) != loss_sha(clean):  # where they part: rkit compare's words
+            print(subprocess.run([sys.executable, "-m", "rkit.cli", "compare", str(clean), str(chain),
+                                  "--threshold", "10"], capture_output=True, text=True).stdout[-3000:])
     ended = [e for e in evs if e["event"] == "attempt.ended"]
     tally = ended[-1].get("tally", {}) if ended else {}
     requeues = sum(e["event"] == "job.requeued" for e in evs)
