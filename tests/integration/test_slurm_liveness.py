@@ -2,12 +2,13 @@
 MessageTimeout=10), where Slurm itself would see a crashed node only after five minutes: the crash is found by
 rkit (heartbeats, then the probe step), the run resumes on the spare and ends with the clean run's loss; a node
 that is slow but alive (its rank and its heartbeat stopped for longer than the silence allowed) is probed, answers,
-and the attempt goes on."""
+and the attempt goes on, also when the controller stops answering while the node is suspected."""
 
 from __future__ import annotations
 
 import json
 import signal
+import time
 
 import psutil
 import pytest
@@ -116,8 +117,15 @@ def node_processes(run: RunDir, node: str) -> list[psutil.Process]:
     return found
 
 
-def test_a_slow_node_is_probed_and_not_declared_dead(cluster, real_timeouts, slurm_workspace, cpu_image,
-                                                      clean_run: RunDir):
+def controller() -> psutil.Process:
+    return next(p for p in psutil.process_iter(["name"]) if p.info["name"] == "slurmctld")
+
+
+def test_a_slow_node_is_probed_and_not_declared_dead_even_while_the_controller_does_not_answer(
+        cluster, real_timeouts, slurm_workspace, cpu_image, clean_run: RunDir):
+    """The node's rank and heartbeat stop; once it is suspected, slurmctld stops too for 15 s (a busy or
+    failing-over controller): the probe steps time out, the node's slurmd still takes connections, so the node is
+    unconfirmed, never dead; when the controller is back the next probe answers."""
     run = submit(cluster, slurm_workspace, "slow-300", cpu_image)
     wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= 15, 600, "step 15")
     node = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["nodes"][1]
@@ -125,9 +133,18 @@ def test_a_slow_node_is_probed_and_not_declared_dead(cluster, real_timeouts, slu
     env = frozen[1].environ()  # the rank's: where its node's heartbeats go, their token, JAX's heartbeat timeout
     token = env["RKIT_LIVENESS_TOKEN"]
     assert len(token) == 32 and env["RKIT_JAX_HEARTBEAT_SECONDS"] == "61"
+    slurmctld = controller()
     for proc in frozen:  # the node's rank and its heartbeat stop: a node that does not answer for a while
         proc.send_signal(signal.SIGSTOP)
     try:
+        wait_until(lambda: events_named(run, "node.suspected"), 60, "the node's suspicion")
+        slurmctld.send_signal(signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            unconfirmed = wait_until(lambda: events_named(run, "node.unconfirmed"), 60, "a probe that timed out")
+            time.sleep(max(0.0, 15 - (time.monotonic() - stopped)))  # the controller away 15 s in all
+        finally:
+            slurmctld.send_signal(signal.SIGCONT)
         alive = wait_until(lambda: events_named(run, "node.alive"), 120, "the probe's answer")
     finally:
         for proc in frozen:
@@ -135,8 +152,10 @@ def test_a_slow_node_is_probed_and_not_declared_dead(cluster, real_timeouts, slu
     s = wait_finished(cluster, run)
     suspected = events_named(run, "node.suspected")
     assert suspected[0]["node"] == node and suspected[0]["silent_seconds"] >= 3
+    assert unconfirmed[0]["node"] == node and unconfirmed[0]["probe"].endswith("but its slurmd takes connections")
     assert alive[0]["node"] == node and alive[0]["how"] == "it answered the probe step"
     assert not events_named(run, "node.dead") and not events_named(run, "attempt.failed")
+    assert not events_named(run, "nodes.excluded")
     assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["completed"]
     assert final_loss(run) == final_loss(clean_run)
     leaks = [p for p in run.path.rglob("*") if p.is_file() and not p.is_symlink()

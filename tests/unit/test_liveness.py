@@ -288,6 +288,32 @@ def test_the_backend_asks_the_nodes_slurmd_itself(tmp_path):
         closed.close()
 
 
+SHOW_NODE = """NodeName=c1 Arch=x86_64 CoresPerSocket=1
+   NodeAddr=10.0.0.1 NodeHostName=c1 Port=18002 Version=24.11.5
+   State=IDLE ThreadsPerCore=1
+NodeName=c2 Arch=x86_64 CoresPerSocket=1
+   NodeAddr=10.0.0.2 NodeHostName=c2 Version=24.11.5
+   State=ALLOCATED ThreadsPerCore=1
+"""
+
+
+def test_the_slurmds_addresses_come_from_one_scontrol_call_with_the_clusters_port_where_a_node_has_none(
+        monkeypatch):
+    from rkit.backends.slurm import queries
+
+    asked = []
+
+    def slurm_output(argv, timeout=30):
+        asked.append(argv)
+        return SHOW_NODE if argv[:3] == ["scontrol", "show", "node"] else "SlurmdPort              = 7818\n"
+
+    monkeypatch.setattr(queries, "slurm_output", slurm_output)
+    assert queries.slurmd_addresses(["c1", "c2", "c3"]) == {"c1": ("10.0.0.1", 18002), "c2": ("10.0.0.2", 7818)}
+    assert asked == [["scontrol", "show", "node", "c1,c2,c3"], ["scontrol", "show", "config"]]
+    asked.clear()
+    assert queries.slurmd_addresses([]) == {} and asked == []  # nothing asked about no nodes
+
+
 def test_a_step_the_launcher_could_not_start_is_infrastructure_and_never_a_crash_loop():
     obs = Observation(processes=2, exits=(RankExit(0, 1, "c2"), RankExit(1, -9)), failed_nodes=("c2",),
                       launch_failed="Unable to create step for job 7: Requested node configuration is not available")

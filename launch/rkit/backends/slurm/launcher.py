@@ -34,7 +34,7 @@ from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's qu
     requeue,
     slurm_output,
     slurm_version,
-    slurmd_address,
+    slurmd_addresses,
     step_id,
     step_ids,
     submitted_job_id,
@@ -225,11 +225,10 @@ class SlurmStepBackend:
     def slurmd_silent(self, node: str) -> str | None:
         """Why `node`'s slurmd takes no connection (refused, or no answer in SLURMD_CONNECT_SECONDS), None when it
         does or when its address is not known (the controller did not say: no evidence against the node)."""
-        if node not in self._slurmd:
-            found = slurmd_address(node)
-            if found is None:
+        if node not in self._slurmd:  # learned when its attempt was prepared, unless the controller did not say
+            self._slurmd.update(slurmd_addresses([node], timeout=SLURMD_CONNECT_SECONDS))
+            if node not in self._slurmd:
                 return None
-            self._slurmd[node] = found
         address, port = self._slurmd[node]
         try:
             socket.create_connection((address, port), timeout=SLURMD_CONNECT_SECONDS).close()
@@ -287,6 +286,10 @@ class SlurmStepBackend:
         if len(healthy) < count:
             raise NotEnoughNodes(healthy, self.exclude)
         nodes = healthy[:count]
+        # Where their slurmds listen, asked now in one call: a probe that times out later (the controller may be
+        # what is slow then) settles on a connection to the node's slurmd without asking the controller.
+        if self.liveness is not None and (unknown := [n for n in healthy if n not in self._slurmd]):
+            self._slurmd.update(slurmd_addresses(unknown))
         job_id = os.environ.get("SLURM_JOB_ID", "0")
         address = node_address(nodes[0])
         coordinator = f"{address}:{port or free_coordinator_port(address, job_id, attempt)}"

@@ -68,13 +68,21 @@ def held_down(state: str) -> bool:
     return state.endswith("*") or state.startswith(("down", "fail", "drain", "drng", "maint"))
 
 
-def slurmd_address(node: str) -> tuple[str, int] | None:
-    """Where `node`'s slurmd listens (scontrol show node: NodeAddr and Port, else the cluster's SlurmdPort)."""
-    out = slurm_output(["scontrol", "show", "node", node], timeout=10)
-    addr = re.search(r"NodeAddr=(\S+)", out)
-    port = re.search(r"\bPort=(\d+)", out) or re.search(
-        r"SlurmdPort\s*=\s*(\d+)", slurm_output(["scontrol", "show", "config"], timeout=10))
-    return (addr.group(1), int(port.group(1)) if port else 6818) if addr else None
+def slurmd_addresses(nodes: list[str], timeout: float = 10) -> dict[str, tuple[str, int]]:
+    """Where each node's slurmd listens, from one `scontrol show node` of them all (NodeAddr and Port, else the
+    cluster's SlurmdPort, else Slurm's default 6818); nodes the controller did not describe are left out."""
+    out = slurm_output(["scontrol", "show", "node", ",".join(nodes)], timeout=timeout) if nodes else ""
+    found: dict[str, tuple[str, int | None]] = {}
+    for block in re.split(r"\n(?=NodeName=)", out):
+        name, addr = re.search(r"NodeName=(\S+)", block), re.search(r"NodeAddr=(\S+)", block)
+        if name and addr:
+            port = re.search(r"\bPort=(\d+)", block)
+            found[name.group(1)] = (addr.group(1), int(port.group(1)) if port else None)
+    if any(port is None for _, port in found.values()):
+        config = re.search(r"SlurmdPort\s*=\s*(\d+)", slurm_output(["scontrol", "show", "config"], timeout=timeout))
+        default = int(config.group(1)) if config else 6818
+        found = {n: (a, default if p is None else p) for n, (a, p) in found.items()}
+    return {n: (a, int(p or 6818)) for n, (a, p) in found.items()}
 
 
 # A Slurm job id: digits, with _N for an array task or +N for a heterogeneous job's component.
