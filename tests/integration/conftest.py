@@ -1,5 +1,6 @@
 """The Slurm tests' shared fixtures: the test bed (at its fast timeouts; a module that needs Slurm's own sets them
-and sets them back), a folder the cluster's nodes see, and one clean run that every test comparing a loss reuses."""
+and sets them back), a folder the cluster's nodes see, and one clean run per length that every test comparing a loss
+reuses (40 steps; 200 for the tests whose fault needs steps left after it)."""
 
 from __future__ import annotations
 
@@ -42,5 +43,12 @@ def slurm_workspace(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def clean_run(cluster, slurm_workspace, cpu_image) -> RunDir:
     run = submit(cluster, slurm_workspace, "clean", cpu_image)
+    wait_finished(cluster, run)
+    return run
+
+
+@pytest.fixture(scope="session")
+def clean_run_200(cluster, slurm_workspace, cpu_image) -> RunDir:
+    run = submit(cluster, slurm_workspace, "clean-200", cpu_image, "-o", "trainer.steps=200")
     wait_finished(cluster, run)
     return run

@@ -148,7 +148,8 @@ def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_imag
     assert final_loss(run) == final_loss(clean_run)
 
 
-def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image):
+def test_usr1_saves_requeues_and_resumes_with_the_clean_runs_loss(cluster, slurm_workspace, cpu_image,
+                                                                   clean_run_200: RunDir):
     # Enough steps left after the signal for JAX's preemption sync point to come before the last step
     # (with few steps left MaxText trains on to the end inside the grace period, and the run just finishes).
     # No infrastructure budget at all: a requeue answered by its save is a planned end and spends none (issue 39).
@@ -180,6 +181,9 @@ def test_usr1_saves_requeues_and_resumes(cluster, slurm_workspace, cpu_image):
     from rkit.runtime.trainers.maxtext import committed_steps
 
     assert committed_steps(run) == [180, 190, 199] and run.config().checkpoint.keep == 3
+    # Every step's loss, bit for bit, the uninterrupted run's: the requeue lost and changed nothing.
+    assert run.load_outcome()["loss"]["count"] == 200
+    assert run.load_outcome()["loss"]["sha256"] == clean_run_200.load_outcome()["loss"]["sha256"]
 
 
 def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu_image):
@@ -309,7 +313,7 @@ LONG = ["-o", "trainer.steps=200"]
 
 
 def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back(cluster, slurm_workspace,
-                                                                                    cpu_image):
+                                                                                    cpu_image, clean_run_200: RunDir):
     # resources.min_nodes=1, no spare: sbatch --nodes=1-2 --no-kill. Rank 1 stops at step 12 (so that attempt 1
     # cannot train past it, whatever the machine's speed), then its node crashes: the run goes on at once on the
     # batch host alone, with twice the accumulation. The preemption injected at step 15 (in that attempt) requeues
@@ -317,8 +321,7 @@ def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back
     # preemption lands (beside a CPU hog it did, and the run finished). The stop comes after the step at which
     # the preemption fires: the supervisor reads a step from the metrics, written a step late. The requeued job
     # gets two nodes again and the last attempt trains at full size.
-    clean_run = submit(cluster, slurm_workspace, "clean-200", cpu_image, *LONG)
-    wait_finished(cluster, clean_run)
+    clean_run = clean_run_200
     run = submit(cluster, slurm_workspace, "elastic", cpu_image, *LONG, "-o", "slurm.spare_nodes=0",
                  "-o", "resources.min_nodes=1", "--inject", "hang:rank=1,step=12",
                  "--inject", "hang:rank=0,step=20", "--inject", "preempt:step=15",
