@@ -249,6 +249,10 @@ install_scripts() {  # the host commands in $BASE/bin and the helpers in the roo
 cmd_up() {
     [ "$(id -u)" = 0 ] || die "run as root (it debootstraps a root and starts namespaces)"
     local binds
+    # The host's iptables: the liveness tests drop the heartbeats and the traffic to slurmctld with it (the nodes
+    # share the host's network).
+    command -v iptables >/dev/null || { log "apt-get install iptables (host)"; { apt-get install -y -qq iptables ||
+        { apt-get update -qq && apt-get install -y -qq iptables; }; } >/dev/null || die "apt-get install iptables failed"; }
     if ns_alive && nodes_in idle; then
         install_scripts                     # cheap: rewrites only what changed in ci/testbed
         binds=$(want_binds)

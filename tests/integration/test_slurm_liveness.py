@@ -7,7 +7,11 @@ and the attempt goes on, also when the controller stops answering while the node
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import signal
+import subprocess
 import time
 
 import psutil
@@ -161,3 +165,48 @@ def test_a_slow_node_is_probed_and_not_declared_dead_even_while_the_controller_d
     leaks = [p for p in run.path.rglob("*") if p.is_file() and not p.is_symlink()
              and token.encode() in p.read_bytes()]
     assert leaks == []  # the heartbeats' token is in no manifest, log or event
+
+
+def slurmctld_port(cluster) -> int:
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, **cluster)).stdout
+    return int(re.search(r"SlurmctldPort\s*=\s*(\d+)", out).group(1))
+
+
+def test_a_blip_of_the_batch_hosts_network_while_every_rank_stalls_condemns_no_node(
+        cluster, real_timeouts, slurm_workspace, cpu_image, clean_run: RunDir):
+    """For 15 s the heartbeats' datagrams and the batch host's traffic to slurmctld are dropped (iptables), while
+    every rank is stopped: every node looks silent and stalled at once, but the supervisor's own beat does not come
+    back either, so it holds (liveness.self_check), probes none and condemns none; the run goes on."""
+    if shutil.which("iptables") is None:
+        pytest.fail("no iptables on this host: ci/slurm-testbed.sh up installs it (make test does)")
+    run = submit(cluster, slurm_workspace, "blip-300", cpu_image)
+    wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= 15, 600, "step 15")
+    nodes = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["nodes"]
+    found = {n: wait_until(lambda n=n: node_processes(run, n), 60, f"the telemetry process on {n}") for n in nodes}
+    ranks = [found[n][1] for n in nodes]  # each node's rank; its heartbeat process goes on sending
+    port = int(ranks[0].environ()["RKIT_LIVENESS_ADDRESS"].rpartition(":")[2])
+    rules = [["INPUT", "-p", "udp", "--dport", str(port), "-j", "DROP"],
+             ["OUTPUT", "-p", "tcp", "--dport", str(slurmctld_port(cluster)), "-j", "DROP"]]
+    for proc in ranks:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        for rule in rules:
+            subprocess.run(["iptables", "-I", *rule], check=True)
+        try:
+            wait_until(lambda: [e for e in events_named(run, "liveness.self_check") if e["holding"]], 60,
+                       "the supervisor suspecting its own side")
+            time.sleep(15)
+        finally:
+            for rule in rules:
+                subprocess.run(["iptables", "-D", *rule], check=False)
+    finally:
+        for proc in ranks:
+            proc.send_signal(signal.SIGCONT)
+    s = wait_finished(cluster, run)
+    held = [e for e in events_named(run, "liveness.self_check") if e["holding"]]
+    assert any(e["suspected"] == 2 and "own beat did not come back" in e["why"] for e in held), held
+    assert not events_named(run, "node.dead") and not events_named(run, "nodes.excluded")
+    assert not events_named(run, "attempt.failed")
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["completed"]
+    assert final_loss(run) == final_loss(clean_run)
