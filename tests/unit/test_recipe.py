@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from rkit.contract.errors import RecipeError, RkitError
+from rkit.contract.rundir import RunDir
 from rkit.recipe.load import IDENTITY_KEYS, config_hash, load_recipe, parse_override_value, parse_recipe
 
 from ..conftest import REPO, TINY
@@ -117,9 +118,31 @@ def test_overrides_are_typed_and_applied_before_validation():
 
 
 @pytest.mark.parametrize("raw,expected", [("20", 20), ("1e-3", 0.001), ("true", True), ("null", None),
-                                          ("abc", "abc"), ("[1, 2]", "[1, 2]"), ("", "")])
+                                          ("abc", "abc"), ("[1, 2]", [1, 2]), ("", ""), ("[1, 2", "[1, 2"),
+                                          ('["--mem=0"]', ["--mem=0"]), ("{a: 1, b: [x]}", {"a": 1, "b": ["x"]})])
 def test_parse_override_value(raw, expected):
     assert parse_override_value(raw) == expected
+
+
+@pytest.mark.parametrize("raw,words", [("&a [1, *a]", "aliases"), ("{a: 1, a: 2}", "duplicate key"),
+                                       ("[" * 40 + "]" * 40, "nests more than 32"), ("[2024-13-45]", "timestamp")])
+def test_an_override_value_has_the_files_limits(raw, words):
+    with pytest.raises(ValueError, match=words):
+        parse_override_value(raw)
+
+
+def test_a_list_override_is_a_list_for_rkit_and_for_maxtext(tmp_path):
+    from rkit.runtime.trainers.maxtext import maxtext_overrides
+
+    r = load_recipe(TINY, ['slurm.extra_sbatch=["--mem=0", "--comment=x"]',
+                           "trainer.overrides.data_sharding=[[fsdp, tensor]]"])
+    assert r.config.slurm.extra_sbatch == ("--mem=0", "--comment=x")
+    argv = maxtext_overrides(r.config, RunDir(tmp_path / "run"), str(tmp_path / "cache"))
+    assert 'data_sharding=[["fsdp", "tensor"]]' in argv  # a list on MaxText's command line, not the text "[...]"
+    with pytest.raises(RecipeError, match=r"slurm\.extra_sbatch"):
+        load_recipe(TINY, ["slurm.extra_sbatch={a: 1}"])  # a mapping where the schema wants a list: the file's check
+    with pytest.raises(RecipeError, match="override key path of 1500 levels"):
+        load_recipe(TINY, [".".join(["env"] * 1500) + "=1"])
 
 
 def test_defaults_are_applied_from_the_schema():

@@ -233,21 +233,27 @@ def keep_as_written(node: yaml.MappingNode, data: dict) -> None:
 
 
 def parse_override_value(raw: str) -> Any:
-    """`-o key=value`: the value is read as a YAML scalar, so 20 is an int and true a bool. ValueError for a
-    scalar YAML cannot build (a 5000-digit integer, the date 2024-13-45)."""
+    """`-o key=value`: the value is a YAML value, as in the file: 20 is an int, true a bool, [1, 2] a list and
+    {a: 1} a mapping (flow style), with the file's limits (no aliases, nesting, duplicate keys, scalars YAML cannot
+    build). Text that is not valid YAML is taken as the string it is. ValueError names what is wrong."""
     if _FLOAT_RE.match(raw.strip()) and not re.match(r"^[+-]?\d+$", raw.strip()):
         return float(raw)
     try:
-        node = yaml.compose(raw, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
+        node = compose("-o", raw)
+    except RecipeError as exc:
+        if exc.problems and not exc.problems[0].message.startswith("malformed YAML"):
+            raise ValueError(exc.problems[0].message) from None
         return raw
-    if isinstance(node, yaml.ScalarNode) and (bad := unreadable_scalars(node)):
-        raise ValueError(bad[0].message)
+    if node is None:
+        return raw
+    if bad := [*structural_problems(node), *unreadable_scalars(node)]:
+        where = f" (at {bad[0].path})" if bad[0].path else ""
+        raise ValueError(f"{bad[0].message}{where}")
     try:
         value = yaml.safe_load(raw)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return raw
-    if isinstance(value, (dict, list)) or value is None and raw.strip() not in ("null", "~"):
+    if value is None and raw.strip() not in ("null", "~"):
         return raw
     return value
 
@@ -260,6 +266,11 @@ def apply_overrides(source: str, data: dict, overrides: list[str]) -> list[Probl
         if not sep or not all(parts):
             problems.append(Problem(key, f"override {item!r} is not key.path=value "
                                          "(for example -o trainer.steps=20)."))
+            continue
+        if len(parts) > MAX_DEPTH:
+            problems.append(Problem(".".join(parts[:3]) + "...", f"override key path of {len(parts)} levels; a "
+                                    f"recipe nests at most {MAX_DEPTH}: name a key of the recipe "
+                                    "(for example -o trainer.steps=20)."))
             continue
         target = data
         for i, part in enumerate(parts[:-1]):
