@@ -98,8 +98,15 @@ def _schema_at(path: tuple) -> dict:
     return node
 
 
+# JSON Schema counts 100.0 as an integer; rkit's typed config (and MaxText's) does not: a step count written 1e2
+# or 100.0 is refused here, with the file's other problems, rather than after validation passed.
+_STRICT = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=jsonschema.Draft202012Validator
+                                       .TYPE_CHECKER.redefine("integer", lambda _, value: isinstance(value, int)
+                                                              and not isinstance(value, bool)))
+
+
 def _schema_problems(data: dict) -> list[Problem]:
-    validator = jsonschema.Draft202012Validator(schema())
+    validator = _STRICT(schema())
     problems = []
     for err in sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path))):
         path = tuple(err.absolute_path)

@@ -196,10 +196,11 @@ class Probe:
         if code is None and now < self.deadline:
             return None
         if code is None:
-            self.proc.kill()
-            self.proc.wait()
+            _discard(self)
             return "timeout", f"the probe step did not answer within {self.deadline - self.started:.0f} s"
-        return probe_verdict(self.node, code, self.proc.stdout.read() if self.proc.stdout else "")
+        said = self.proc.stdout.read() if self.proc.stdout else ""
+        _discard(self)
+        return probe_verdict(self.node, code, said)
 
 
 def settled(node: str, verdict: str, said: str, slurmd_silent: Callable[[str], str | None]) -> tuple[str, str]:
@@ -406,3 +407,5 @@ def _discard(probe: Probe) -> None:
     if probe.proc.poll() is None:
         probe.proc.kill()
     probe.proc.wait()
+    if probe.proc.stdout is not None:
+        probe.proc.stdout.close()
