@@ -36,6 +36,7 @@ setup-dev: $(VENV)/.stamp-dev
 
 run: setup
 	$(VENV)/bin/rkit run $(RECIPE) $(RUN_ARGS)
+	@echo "rkit: the CLI is $(VENV)/bin/rkit (or: source $(VENV)/bin/activate, then rkit status, rkit ls, rkit report)"
 
 # A small text data set for recipes/tiny-grain.yaml (docs/data.md): tf.train.Example records as ArrayRecord and
 # TFRecord in data/tiny-text/, the same bytes on every machine, nothing downloaded.
