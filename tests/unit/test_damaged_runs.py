@@ -407,3 +407,25 @@ def test_the_corpus_covers_every_reader():
     labels = {label for case in CORPUS for label, _ in case.commands}
     assert {"status", "status --json", "ls", "ls --json", "report", "diff", "logs", "compare", "bench compare",
             "run --dry-run", "image verify"} <= labels
+
+
+def test_every_event_with_only_its_name_and_time_is_read_without_a_traceback(good: Path, tmp_path: Path):
+    """An event of each kind in the vocabulary with none of its fields (written by an older or a newer rkit, or
+    cut): status, ls and report read the run; nothing a reader uses is taken as present."""
+    from rkit.contract.events import EV
+    from rkit.contract.rundir import RunDir
+    from rkit.readers import listing
+    from rkit.readers.report import write_report
+    from rkit.readers.status import render_status, status
+
+    run = RunDir(copy_of_good(good, str(tmp_path)))
+    last = run.events()[-1]["t"]
+    # (job.submitted without its job id is refused by name, exit 2: its id goes to Slurm's commands)
+    names = sorted(v for k, v in vars(EV).items() if k.isupper() and isinstance(v, str) and v != EV.JOB_SUBMITTED)
+    assert len(names) > 40
+    bare = [{"event": name, "t": last + 1 + i, **({"attempt": 1} if i % 2 else {})} for i, name in enumerate(names)]
+    with run.events_file.open("a") as f:
+        f.write(jsonl(bare))
+    assert "run" in render_status(status(run)).lower()
+    assert listing.row(run)["name"] == "run"
+    write_report(run, tmp_path / "report")

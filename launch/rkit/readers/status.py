@@ -83,7 +83,7 @@ class StatusFold(goodput_events.Fold):
         elif kind == EV.JOB_STARTED:
             self.jobs_started.append(e)
         elif kind in (EV.NODES_EXCLUDED, EV.NODES_REJOINED):
-            self.excluded = e["excluded"]
+            self.excluded = [str(n) for n in e.get("excluded") or []]
         elif kind == EV.INJECT_FIRED:  # the spec as given to --inject; else rebuilt from the event's fields
             self.injections.append(str(e.get("spec") or f"{e.get('kind', '?')}:" + ",".join(
                 f"{k}={e[k]}" for k in ("rank", "step", "code") if e.get(k) is not None)))

@@ -156,8 +156,9 @@ def plan_supervised(run: RunDir, host: dict[str, str]) -> LaunchPlan:
     events = run.events()
     submitted = [e for e in events if e.get("event") == EV.JOB_SUBMITTED]
     injections = [Injection.from_dict(d) for d in (submitted[-1].get("injections", []) if submitted else [])]
-    excluded = next((e["excluded"] for e in reversed(events) if e.get("event") in (
+    excluded = next((e.get("excluded") or [] for e in reversed(events) if e.get("event") in (
         EV.NODES_EXCLUDED, EV.NODES_REJOINED)), [])
+    excluded = [n for n in excluded if isinstance(n, str)]  # a damaged event names no node
     image = None
     if stamp.get("image", {}).get("kind") == "sif":
         image = ImageIdentity(**{k: v for k, v in stamp["image"].items() if k != "kind"})
