@@ -138,3 +138,17 @@ def test_a_ranks_own_word_on_its_restore_is_read_before_its_tracebacks(tmp_path)
     assert scan.restore_failed(force=True)[1] == damaged and scan.restore_verdict() == (24, "local")
     scan = LogScan([plain], clock=lambda: 0.0)  # MaxText's own restore: no verdict, the run directory's step
     assert scan.restore_failed(force=True)[1] == plain and scan.restore_verdict() is None
+
+
+def test_the_error_lines_of_a_failed_restore_are_the_errors_not_the_tracebacks_source(tmp_path):
+    from rkit.run.ranklogs import last_error_lines
+
+    log = tmp_path / "rank-0.log"
+    log.write_text(
+        "I1206 12:00:00 restoring step 39\nTraceback (most recent call last):\n"
+        '  File "/opt/venv/lib/python3.13/site-packages/orbax/checkpoint/_src/serialization/ts_utils.py", line 412, '
+        "in read\n    raise Exception(  # pylint: disable=broad-exception-raised\n"
+        "Exception: Encountered error while reading array index (0,) in checkpoints/39/items/params: DATA_LOSS: "
+        'Error reading "params.zarray"\n')
+    assert last_error_lines(log) == ["Exception: Encountered error while reading array index (0,) in "
+                                     'checkpoints/39/items/params: DATA_LOSS: Error reading "params.zarray"']

@@ -163,9 +163,19 @@ def last_error_lines(path: Path, lines: int = 5, tail_bytes: int = 65536) -> lis
     text = tail_text(path, tail_bytes)
     if text is None:
         return []
-    hits = [line.strip() for line in text.splitlines()
-            if re.search(r"Error|Exception|RESOURCE_EXHAUSTED|DATA_LOSS|NOT_FOUND|Traceback|^E\d{4} ", line)]
+    hits, after_frame = [], False
+    for line in text.splitlines():
+        # a traceback's frames and their source lines (`raise Exception(  # pylint: ...`) quote code, not the error
+        quoted = after_frame and line.startswith("    ")
+        after_frame = TRACEBACK_FRAME.match(line) is not None
+        if after_frame or quoted or line.strip() == "Traceback (most recent call last):":
+            continue
+        if re.search(r"Error|Exception|RESOURCE_EXHAUSTED|DATA_LOSS|NOT_FOUND|^E\d{4} ", line):
+            hits.append(line.strip())
     return [h[:300] for h in hits[-lines:]]
+
+
+TRACEBACK_FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
 
 
 # The last line of a Python traceback: `ValueError: ...`, `jax.errors.JaxRuntimeError: ...`, `KeyboardInterrupt`.
