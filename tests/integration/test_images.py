@@ -200,7 +200,8 @@ def test_reproduce_then_diff_shows_only_what_must_differ(image_run: RunDir, imag
     assert done.returncode == 0, done.stdout
     result = json.loads(rkit("diff", "--json", str(image_run.path), str(again.path)).stdout)
     assert set(result["groups"]) == {"run"}
-    assert {c["key"] for c in result["groups"]["run"]} <= {"name", "path", "created", "injections", "recipe_source"}
+    assert {c["key"] for c in result["groups"]["run"]} <= {"name", "path", "created", "injections", "recipe_source",
+                                                        "resume_command"}
 
 
 def test_a_rebuilt_image_is_the_same_environment_and_reproduce_goes_on(image_run: RunDir, image_workspace: Path,

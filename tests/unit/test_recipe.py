@@ -141,6 +141,8 @@ def test_a_list_override_is_a_list_for_rkit_and_for_maxtext(tmp_path):
     assert 'data_sharding=[["fsdp", "tensor"]]' in argv  # a list on MaxText's command line, not the text "[...]"
     with pytest.raises(RecipeError, match=r"slurm\.extra_sbatch"):
         load_recipe(TINY, ["slurm.extra_sbatch={a: 1}"])  # a mapping where the schema wants a list: the file's check
+    command = load_recipe(TINY, ["trainer.steps=20"]).command("--resume", absolute=True)
+    assert command == f"rkit run {TINY.resolve()} -o trainer.steps=20 --resume"
     with pytest.raises(RecipeError, match=r"trainer\.steps: 100\.0 is a number; expected integer"):
         load_recipe(TINY, ["trainer.steps=1e2"])  # refused by the schema, as `run` refuses it, not noted as valid
     with pytest.raises(RecipeError, match="override key path of 1500 levels"):

@@ -89,6 +89,11 @@ def test_a_cut_final_line_reads_the_state_from_what_is_committed(run: RunDir):
     final = run.config().trainer.final_step
     s = run_status.status(run)
     assert s["state"] == "stopped"  # nothing committed: the supervisor's end is unknown
+    assert s["reason"].endswith("resume with `rkit run RECIPE --resume`")  # a run stamped before resume_command
+    stamp = json.loads(run.manifest.read_text())
+    stamp.setdefault("run", {})["resume_command"] = "rkit run /abs/recipes/tiny-cpu.yaml -o trainer.steps=20 --resume"
+    run.manifest.write_text(json.dumps(stamp))
+    assert run_status.status(run)["reason"].endswith(f"resume with `{stamp['run']['resume_command']}`")
     (run.orbax_dir / str(final)).mkdir(parents=True)
     (run.orbax_dir / str(final) / "commit_success.txt").write_text("ok")
     s = run_status.status(run)

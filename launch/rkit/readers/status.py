@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rkit.contract.config import Config
+from rkit.contract.errors import RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, last_jsonl
 from rkit.readers import goodput, goodput_events
@@ -168,7 +169,17 @@ def run_state(run: RunDir, events: list[dict] | StatusFold, slurm: dict[str, Any
         return RunState.FINISHED, ("the final step is committed (events.jsonl has no final word from the supervisor: "
                                    "its last line may have been cut)")
     return RunState.STOPPED, ("the supervisor ended without a final word (killed or machine lost); "
-                              "resume with `rkit run RECIPE --resume`")
+                              f"resume with `{resume_command(run)}`")
+
+
+def resume_command(run: RunDir) -> str:
+    """The `rkit run ... --resume` the run was stamped with (its recipe's absolute path and -o options)."""
+    try:
+        said = run.load_manifest().get("run", {}).get("resume_command")
+    except (RkitError, OSError, ValueError, AttributeError):
+        said = None
+    return said if isinstance(said, str) and said.startswith("rkit run ") and "\n" not in said else \
+        "rkit run RECIPE --resume"
 
 
 def _steps_from_digest(digest: RunDigest, fold: StatusFold, period: int | None

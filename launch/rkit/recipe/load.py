@@ -79,13 +79,14 @@ class Recipe:
     def processes(self) -> int:
         return self.config.processes
 
-    def command(self, *extra: str, drop: tuple[str, ...] = ()) -> str:
+    def command(self, *extra: str, drop: tuple[str, ...] = (), absolute: bool = False) -> str:
         """`rkit run` of this recipe with the user's own -o options (less those setting a key in `drop`), then
-        `extra`: what a hint tells the user to type."""
+        `extra`: what a hint tells the user to type (`absolute`: the recipe's absolute path, for any directory)."""
         import shlex
 
         kept = [o for o in self.overrides if o.partition("=")[0].strip() not in drop]
-        return shlex.join(["rkit", "run", self.source, *(a for o in kept for a in ("-o", o)), *extra])
+        source = str(Path(self.source).resolve()) if absolute else self.source
+        return shlex.join(["rkit", "run", source, *(a for o in kept for a in ("-o", o)), *extra])
 
 
 # ---------------------------------------------------------------- defaults and validation

@@ -101,7 +101,10 @@ def stamp(run: RunDir, recipe: Recipe, injections: list[Injection], image: Image
     stamp_data = {
         "rkit_version": __version__,
         "run": {"name": recipe.name, "path": str(run.path.resolve()), "created": time.time(),
-                "recipe_source": str(Path(recipe.source).resolve())},
+                "recipe_source": str(Path(recipe.source).resolve()),
+                # what `rkit status` tells the user to type to continue it, from any directory (-o values that
+                # hold a credential were refused when the recipe was read)
+                "resume_command": recipe.command("--resume", absolute=True)},
         "config_hash": recipe.config_hash,
         "hashed_config": hashed_config(recipe.resolved),
         "image": image.as_dict() if image else {"kind": "none", "reference": recipe.config.image},
