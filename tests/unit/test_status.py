@@ -220,3 +220,18 @@ def test_the_step_convention_of_status(run: RunDir):
     lines = []
     run_status.follow(run, echo=lines.append, poll_seconds=0)
     assert lines == ["finished: step 19, 20 of 20 steps done, committed -, attempts 2"]
+
+
+def test_ls_and_status_count_the_steps_of_a_resumed_run_alike(run: RunDir):
+    """A resumed attempt retrains steps the interrupted one had reached: rank 0's last line is behind the furthest
+    step; `rkit ls` and `rkit status` both show the furthest (the merged view's newest)."""
+    from rkit.readers import listing
+
+    from rkit.runtime.telemetry import metrics
+
+    furthest = max(metrics.lines(run, 0), key=lambda line: line["step"])
+    behind = dict(furthest, attempt=furthest["attempt"] + 1, step=furthest["step"] - 5, t=furthest["t"] + 1)
+    text = run.metrics_file(0).read_text()
+    run.metrics_file(0).write_text(text[: text.rindex("\n") + 1] + json.dumps(behind) + "\n")  # after whole lines
+    s, row = run_status.status(run), listing.row(run)
+    assert s["step"] == row["step"] == furthest["step"] and s["steps_done"] == row["steps_done"]

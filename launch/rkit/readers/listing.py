@@ -46,12 +46,16 @@ def _row(run: RunDir, now: float) -> dict[str, Any]:
     stamp = run.load_manifest()
     digest = new_digest(run)
     events = digest.fold()
-    digest.save()
     slurm = slurm_info(events) if config.launcher == "slurm" else None
     committed = maxtext.latest_committed_step(run)
     state, reason = run_state(run, events, slurm,
                               final_committed=maxtext.final_committed(run, config.trainer.final_step))
-    last = last_jsonl(run.metrics_file(0)) or {}
+    # The furthest step, as `rkit status` counts it (the merged view's newest), from rank 0's digest; rank 0's last
+    # line where the digest cannot stand in (a resumed attempt's last line is behind the steps trained before it).
+    rank0 = digest.rank0()
+    newest = rank0.newest_steps(1) if not rank0.legacy else []
+    last = newest[0] if newest else last_jsonl(run.metrics_file(0)) or {}
+    digest.save()
     image = (stamp.get("image") or {}).get("sha256")
     image = image if isinstance(image, str) else None  # a damaged stamp's other value: not shown
     return {
