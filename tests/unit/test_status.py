@@ -226,7 +226,6 @@ def test_ls_and_status_count_the_steps_of_a_resumed_run_alike(run: RunDir):
     """A resumed attempt retrains steps the interrupted one had reached: rank 0's last line is behind the furthest
     step; `rkit ls` and `rkit status` both show the furthest (the merged view's newest)."""
     from rkit.readers import listing
-
     from rkit.runtime.telemetry import metrics
 
     furthest = max(metrics.lines(run, 0), key=lambda line: line["step"])
