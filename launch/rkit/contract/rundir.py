@@ -84,6 +84,8 @@ def current_umask() -> int:
 
 
 class PlantedLink(RkitError):
+    """A symbolic link where rkit writes in a run directory: nothing is written through it."""
+
     def __init__(self, path: Path):
         super().__init__(f"{path}: is a symbolic link; rkit does not write through links in a run directory "
                          "(one planted there would redirect its writes elsewhere). Remove the link, check the run "

@@ -302,7 +302,9 @@ def stamp_now() -> str:
 
 
 class RoundFailed(RkitError):
-    """A round did not finish: no result is saved; `rkit status RUN` says why (exit 1, or 130 when interrupted)."""
+    """A round did not finish: no result is saved; `rkit status RUN` says why (130 when it was interrupted)."""
+
+    exit_code = 1
 
     def __init__(self, message: str, state: str):
         super().__init__(message)

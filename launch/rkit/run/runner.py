@@ -36,7 +36,7 @@ from rkit.runtime.trainers import localtier
 
 
 class ChangedSincePlanned(RkitError):
-    pass
+    """The run directory changed between the plan and its start (another rkit made or resumed it): nothing run."""
 
 
 @contextmanager
