@@ -35,13 +35,19 @@ def problems_of(*overrides: str, recipe: Path = SLURM) -> dict[str, str]:
 @pytest.mark.parametrize("nodes,minimum,accumulation,expect", [
     (2, 1, 1, [2, 1]),
     (4, 1, 1, [4, 2, 1]),  # 3 nodes would need 4/3 accumulation steps
-    (4, 1, 3, [4, 3, 2, 1]),  # 12 steps' worth: 3 nodes take 4
+    (4, 1, 3, [4, 2, 1]),  # 3 nodes would take 4 steps' worth each, but 12 devices' shards of what 4 divide
+    (8, 1, 3, [8, 4, 2, 1]),  # not 6 (48 devices: a 4096-wide embedding does not divide) nor 3
     (8, 6, 1, [8]),  # none from 6 to 7: refused below
     (3, 3, 1, [3]),
+    (6, 2, 1, [6, 3, 2]),
+    ("data", 1, 3, [4, 3, 2, 1]),  # 4 nodes, the data axis auto, fsdp 1: only the batch is sharded, per device
 ])
-def test_the_sizes_keep_the_global_batch(nodes, minimum, accumulation, expect):
+def test_the_sizes_keep_the_global_batch_and_every_sharded_dimension(nodes, minimum, accumulation, expect):
+    mesh = ["trainer.overrides.ici_data_parallelism=-1", "trainer.overrides.ici_fsdp_parallelism=1"] \
+        if nodes == "data" else []
+    nodes = 4 if nodes == "data" else nodes
     c = config(f"resources.nodes={nodes}", f"resources.min_nodes={min(minimum, nodes)}",
-               f"trainer.overrides.gradient_accumulation_steps={accumulation}") if expect != [8] else None
+               f"trainer.overrides.gradient_accumulation_steps={accumulation}", *mesh) if expect != [8] else None
     if c is None:
         assert "resources.min_nodes" in problems_of(f"resources.nodes={nodes}", f"resources.min_nodes={minimum}")
         return
@@ -148,3 +154,30 @@ def test_the_mesh_record_resolves_the_auto_axes():
     assert mesh_record(MaxTextConfig(), 8) == {"devices": 8, "mesh": {"ici_fsdp": 4, "ici_tensor": 2},
                                                "per_device_batch_size": 2.0, "gradient_accumulation_steps": 3,
                                                "global_batch": 48}
+
+
+def test_a_shrunk_attempts_hang_timeout_scales_with_its_accumulation():
+    from rkit.run.watchdog import HangPolicy, HangWatch
+
+    c = config("resources.nodes=8", "resources.min_nodes=1", "resilience.hang_factor=3")
+    learned = [30.0] * 50  # 8 nodes: 30 s a step; on 2 nodes each step does 4 accumulation steps' work
+    shrunk = elastic.rescaled(learned, c, 8, 2)
+    assert shrunk == [120.0] * 50 and elastic.rescaled(shrunk, c, 2, 8) == learned
+
+    def timeout(times: list[float]) -> float:
+        watch = HangWatch(HangPolicy.from_config(c, 1000), [0], 0.0, step_times=list(times))
+        watch.progress(0, 5, None, 1.0)  # past the first step: the learned median counts
+        return watch.timeout_for(0)
+
+    # 3 x 30 s would call every 120 s step of the shrunk attempt a hang; 3 x 120 s does not
+    assert timeout(learned) == 90.0 and timeout(shrunk) == 360.0
+
+
+def test_shrink_refuses_a_base_config_it_cannot_read_rather_than_assume_its_values(tmp_path):
+    base = tmp_path / "model.yml"
+    base.write_text("gradient_accumulation_steps: 2\nper_device_batch_size: 4\ndataset_type: synthetic\n")
+    c = config("resources.nodes=4", "resources.min_nodes=2", f"trainer.base_config={base}")
+    assert elastic.accumulation(c) == 2 and elastic.problems(c) == []  # read here: its values count
+    base.unlink()  # the file is only on the cluster's file system, not where rkit runs
+    (found,) = elastic.problems(c)
+    assert found.path == "trainer.base_config" and "will not assume them" in found.message

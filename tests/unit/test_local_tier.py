@@ -197,8 +197,8 @@ def test_the_records_are_read_again_only_when_a_rank_rewrote_one(tmp_path: Path)
 
 
 def test_a_local_tier_may_shrink_with_its_nodes():
-    c = config("resources.nodes=3", "resources.processes_per_node=1", "resources.min_nodes=2",
-               "trainer.overrides.gradient_accumulation_steps=2")  # 3 nodes x 2 = 2 nodes x 3
+    c = config("resources.nodes=4", "resources.processes_per_node=1", "resources.min_nodes=2",
+               "trainer.overrides.gradient_accumulation_steps=2")  # 4 nodes x 2 = 2 nodes x 4
     assert c.checkpoint.local_dir and c.resources.can_shrink
 
 

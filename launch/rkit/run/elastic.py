@@ -59,23 +59,45 @@ def setting(config: Config, key: str) -> Any:
     overrides = config.trainer.overrides or {}
     if key in overrides:
         return overrides[key]
-    return _base_file_values(config.trainer.base_config).get(key, MAXTEXT_DEFAULTS.get(key, 1))
+    return (_base_file_values(config.trainer.base_config) or {}).get(key, MAXTEXT_DEFAULTS.get(key, 1))
 
 
-def _base_file_values(base_config: str) -> dict[str, Any]:
-    """A recipe's base config, where it is a YAML file on this host (MaxText's shipped names use base.yml's
-    values); what cannot be read adds nothing."""
+def _base_file(base_config: str) -> Path | None:
+    """The recipe's base config on this host: its file, else the config of that name in this host's MaxText
+    (its shipped configs); None where neither is here (base.yml needs none: MAXTEXT_DEFAULTS are its values)."""
     path = Path(base_config)
-    if path.name == "base.yml" or not path.is_file():
+    if path.is_file():
+        return path
+    if path.is_absolute():
+        return None
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("maxtext")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(location) / "configs" / path).is_file():
+            return Path(location) / "configs" / path
+    return None
+
+
+def _base_file_values(base_config: str) -> dict[str, Any] | None:
+    """A recipe's base config's values, where rkit can read it on this host ({} for base.yml: MAXTEXT_DEFAULTS);
+    None where it cannot."""
+    if Path(base_config).name == "base.yml":
         return {}
+    path = _base_file(base_config)
+    if path is None:
+        return None
     try:
         import yaml
 
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f.read(1 << 20))
     except (OSError, ValueError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def mesh_settings(config: Config, prefixes: tuple[str, ...] = ("ici", "dcn")) -> dict[str, Any]:
@@ -91,9 +113,27 @@ def accumulation(config: Config) -> int:
 
 def sizes(config: Config) -> list[int]:
     """The node counts an attempt may train on, largest first: nodes, then each count down to min_nodes whose
-    accumulation (gradient_accumulation_steps x nodes / count) is a whole number."""
+    accumulation (gradient_accumulation_steps x nodes / count) is a whole number, and, where the axis that
+    absorbs the change shards the weights (fsdp: MaxText's default), that divides nodes: its devices then divide
+    the full count, so every dimension the full mesh shards (an embedding, the heads) still divides. (6 of 8 nodes
+    with accumulation 3 makes the accumulation whole but shards over 48 devices, which typical dimensions do not
+    divide: every shrunk attempt would fail the same way.) A data axis shards only the batch, which is per device."""
     full, grad = int(config.resources.nodes), accumulation(config)
-    return [n for n in range(full, config.resources.fewest_nodes - 1, -1) if (grad * full) % n == 0]
+    whole = full if shards_weights(config) else grad * full
+    return [n for n in range(full, config.resources.fewest_nodes - 1, -1) if whole % n == 0]
+
+
+def shards_weights(config: Config) -> bool:
+    """Whether an auto (-1) mesh axis that absorbs lost nodes is an fsdp one (it shards the weights)."""
+    return any(value == -1 and key.split("_", 1)[1].startswith("fsdp")
+               for key, value in mesh_settings(config).items())
+
+
+def rescaled(step_times: list[float], config: Config, before: int, after: int) -> list[float]:
+    """Step times measured on `before` nodes, as they would be on `after` (the work per device scales with the
+    accumulation, which keeps the global batch)."""
+    ratio = shape(config, after).gradient_accumulation_steps / max(1, shape(config, before).gradient_accumulation_steps)
+    return [t * ratio for t in step_times]
 
 
 def shape(config: Config, nodes: int | None = None) -> Shape:
@@ -152,6 +192,15 @@ def problems(config: Config) -> list[Problem]:
         return []
     found = []
     where = "trainer.overrides."
+    if _base_file_values(config.trainer.base_config) is None:
+        found.append(Problem("trainer.base_config", f"{config.trainer.base_config!r} cannot be read on this host "
+                                                    "(not a file here, nor a config of this host's MaxText): elastic "
+                                                    "shrink keeps the global batch from its per_device_batch_size, "
+                                                    "gradient_accumulation_steps, dataset_type and mesh axes, and "
+                                                    "will not assume them. Put the file where rkit runs, set those "
+                                                    "keys in trainer.overrides and use base.yml, or remove "
+                                                    "resources.min_nodes."))
+        return found
     data = setting(config, "dataset_type")
     if data == "grain":
         found.extend(grain_order_problems(config))
@@ -185,8 +234,12 @@ def problems(config: Config) -> list[Problem]:
                                                              "-1."))
     if sizes(config) == [int(res.nodes)]:
         found.append(Problem("resources.min_nodes", f"no node count from {res.fewest_nodes} to {res.nodes - 1} "
-                                                    "keeps the global batch: gradient_accumulation_steps "
-                                                    f"({accumulation(config)}) x nodes ({res.nodes}) is divisible "
-                                                    "by none of them; raise min_nodes or "
-                                                    "gradient_accumulation_steps."))
+                                                    + (f"divides nodes ({res.nodes}): with an auto fsdp axis a "
+                                                       "shrunk attempt's devices must divide the full count, so "
+                                                       "that the weights it shards still divide; lower min_nodes to "
+                                                       "a divisor of nodes." if shards_weights(config) else
+                                                       "keeps the global batch: gradient_accumulation_steps "
+                                                       f"({accumulation(config)}) x nodes ({res.nodes}) is "
+                                                       "divisible by none of them; raise min_nodes or "
+                                                       "gradient_accumulation_steps.")))
     return found

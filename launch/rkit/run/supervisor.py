@@ -129,6 +129,10 @@ class Supervisor:
                 EV.RUN_RESIZED, EV.ATTEMPT_STARTED) and e.get("node_count")), self.config.resources.nodes)
         self.shape = elastic.shape(self.config, size)
         if before != size:
+            # hang_timeout auto learned the step time at the old size: a step's work per device scales with the
+            # accumulation, so the median it carries over scales too (a shrink by more than hang_factor would
+            # otherwise make every shrunk attempt a false hang)
+            self.step_times[:] = elastic.rescaled(self.step_times, self.config, before, size)
             self.run.emit(EV.RUN_RESIZED, attempt=attempt, node_count=size, full_nodes=self.shape.full_nodes,
                           processes=self.shape.processes,
                           gradient_accumulation_steps=self.shape.gradient_accumulation_steps,
