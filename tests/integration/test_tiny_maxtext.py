@@ -141,7 +141,7 @@ def test_rerun_of_a_finished_run_is_reported_done(workspace: Path, baseline: Run
     assert "already committed" in events(baseline, "run.finished")[-1]["reason"]
 
 
-def test_a_finished_run_resumed_with_more_steps_trains_on_to_the_new_end(workspace: Path):
+def test_a_finished_run_resumed_with_more_steps_trains_on_to_the_new_end(workspace: Path, baseline: RunDir):
     """--resume with a larger trainer.steps and a larger budget (issue 13, item 3): accepted, recorded as
     run.changed, and the run trains from its last committed step to the new end."""
     run = run_tiny(workspace, "extended", "-o", "trainer.steps=20")
@@ -159,6 +159,10 @@ def test_a_finished_run_resumed_with_more_steps_trains_on_to_the_new_end(workspa
     assert recorded["why"] == changed["training_change"] and recorded["changes"]["trainer.steps"] == [20, 30]
     assert events(run, "attempt.started")[-1]["resume_from_step"] == 19
     assert trained_steps(run, 2) == set(range(20, 30)) and maxtext_committed(run) == 29
+    # against the clean 30-step run: compare names the steps trained under the 20-step schedule
+    compared = rkit("compare", str(baseline.path), str(run.path), env=ENV, check=1).stdout
+    assert "B was changed by a --resume: steps 0-19 trained before it, the later ones after it " \
+           "(learning-rate schedule differs: 20 vs 30 steps" in compared and "this explains the divergence" in compared
     refused = rkit("run", str(TINY), "-o", "name=extended", *SHORT, "-o", "trainer.overrides.base_emb_dim=128",
                    "--resume", cwd=workspace, env=ENV, check=2)
     assert "trainer.overrides.base_emb_dim" in refused.stderr and "Traceback" not in refused.stderr

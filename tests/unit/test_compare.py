@@ -153,3 +153,34 @@ def test_compare_says_the_learning_rate_schedule_differs_when_the_steps_do(tmp_p
                                              paths[0], paths[0])
     assert same["training_differences"] == [] and "schedule" not in compare.render(same)
     assert compare.with_training_differences({}, tmp_path / "nothing", paths[0])["training_differences"] == []
+
+
+def test_compare_says_which_steps_of_an_extended_run_trained_under_its_earlier_schedule(tmp_path):
+    """A run extended by --resume from 40 to 60 steps trained steps 0-39 under the 40-step schedule: compare against
+    a clean 60-step run says so, and that it explains a divergence before step 40."""
+    from rkit.recipe.load import load_recipe
+
+    from ..conftest import TINY
+
+    runs = []
+    for name in ("clean", "extended"):
+        run = RunDir(tmp_path / name)
+        run.path.mkdir()
+        run.resolved.write_text(json.dumps(load_recipe(TINY, ["trainer.steps=60"]).resolved))
+        stamp = {"run": {"name": name}}
+        events = [{"event": "attempt.started", "attempt": 1, "t": 100.0, "resume_from_step": None}]
+        if name == "extended":
+            stamp["training_changes"] = [{"t": 200.0, "changes": {"trainer.steps": [40, 60]},
+                                          "why": "learning-rate schedule differs: 40 vs 60 steps"}]
+            events.append({"event": "attempt.started", "attempt": 2, "t": 201.0, "resume_from_step": 39})
+        run.manifest.write_text(json.dumps(stamp))
+        run.events_file.write_text("".join(json.dumps(e) + "\n" for e in events))
+        runs.append(run.path)
+    changed = list(LOSSES)
+    changed[2] += 0.5
+    result = compare.with_training_differences(compare.compare(record(LOSSES, noisy(0.1)), record(changed, noisy(0.1))),
+                                               *runs)
+    [said] = result["training_differences"]
+    assert said == ("B was changed by a --resume: steps 0-39 trained before it, the later ones after it "
+                    "(learning-rate schedule differs: 40 vs 60 steps); this explains the divergence from step 2")
+    assert f"  {said}" in compare.render(result)

@@ -183,7 +183,39 @@ def with_training_differences(result: dict[str, Any], run_a: Path, run_b: Path) 
         why = schedule_change(RunDir(run_a).load_resolved(), RunDir(run_b).load_resolved())
     except (RkitError, OSError, ValueError):
         why = None
-    return {**result, "training_differences": [why] if why else []}
+    said = [why] if why else []
+    first = (result.get("loss") or {}).get("first_divergence") or {}
+    for side, path in (("A", run_a), ("B", run_b)):
+        for change in changed_training(RunDir(path)):
+            line = (f"{side} was changed by a --resume: steps {change['from']}-{change['until']} trained before it, "
+                    f"the later ones after it ({change['why']})")
+            if isinstance(first.get("step"), int) and first["step"] <= change["until"]:
+                line += f"; this explains the divergence from step {first['step']}"
+            said.append(line)
+    return {**result, "training_differences": said}
+
+
+def changed_training(run: Any) -> list[dict[str, Any]]:
+    """The run's recorded training changes (manifest `training_changes`: a --resume that changed what MaxText
+    derives, the learning-rate schedule), each with the steps trained before it: up to the step the next attempt
+    resumed from. [] where none is recorded or the files cannot be read."""
+    from rkit.contract.errors import RkitError
+
+    try:
+        changes = run.load_manifest().get("training_changes") or []
+        events = run.events()
+    except (RkitError, OSError, ValueError, AttributeError):
+        return []
+    out = []
+    for change in changes if isinstance(changes, list) else []:
+        t = change.get("t") if isinstance(change, dict) else None
+        if not isinstance(t, (int, float)):
+            continue
+        resumed = next((e.get("resume_from_step") for e in events if e.get("event") == "attempt.started"
+                        and e.get("t", 0) >= t), None)
+        if isinstance(resumed, int):
+            out.append({"from": 0, "until": resumed, "why": str(change.get("why") or "the training changed")})
+    return out
 
 
 def _scalar(value: Any) -> Any:
