@@ -127,3 +127,35 @@ def test_the_end_of_training_gets_the_start_up_allowance(explicit):
     w.progress(0, 28, 0.1, now=11.0)
     assert w.timeout_for(0) == 600.0
     assert w.check(now=11.0 + 599.0) is None and w.check(now=11.0 + 601.0) is not None
+
+
+def test_a_run_directory_that_refuses_the_supervisors_own_write_is_known_at_the_next_check(tmp_path, monkeypatch):
+    """A file system remounted read-only after an error: the supervisor's own write (the attempt folder's time
+    stamp, every WRITE_CHECK_SECONDS) is refused, and the attempt ends as disk_full at once, not by the hang watch."""
+    import errno
+    import os
+    from types import SimpleNamespace
+
+    from rkit.contract.rundir import RunDir
+    from rkit.run import attemptwatch
+    from rkit.run.policy import Cause, Observation, classify
+
+    run = RunDir(tmp_path / "run")
+    run.attempt_dir(1).mkdir(parents=True)
+    watch = SimpleNamespace(sup=SimpleNamespace(run=run), attempt=1, next_write_check=0.0)
+    check = attemptwatch.AttemptWatch.write_refused
+    assert check(watch) is None and watch.next_write_check > 0  # writable: nothing said, the next check later
+    calls = []
+
+    def refused(path, *args, **kwargs):
+        calls.append(path)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(attemptwatch.os, "utime", refused)
+    assert check(watch) is None and calls == []  # not before WRITE_CHECK_SECONDS
+    watch.next_write_check = 0.0
+    said = check(watch)
+    assert calls == [run.attempt_dir(1)] and "refused the supervisor's own write" in said
+    assert "Read-only file system" in said
+    ending = classify(Observation(processes=2, exits=(), step=12, disk_full=said))
+    assert ending.cause is Cause.DISK_FULL and said in ending.detail

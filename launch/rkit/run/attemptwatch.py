@@ -4,7 +4,9 @@ full, a checkpoint that could not be restored, a coordinator port in use)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +48,11 @@ CULPRIT_LOGS = 64
 PEER_GRACE_SECONDS = 10.0
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
 FULL_BYTES = 1 << 20
+# How often the supervisor writes to the run directory itself during an attempt (the attempt folder's time stamp):
+# a file system remounted read-only after an error is then known within seconds, not by the hang watch minutes
+# later, when the ranks' own writes fail silently.
+WRITE_CHECK_SECONDS = 5.0
+REFUSED_WRITE = (errno.EROFS, errno.EIO, errno.EDQUOT, errno.ENOSPC, errno.EACCES, errno.EPERM)
 
 
 class StartupPhase:
@@ -111,6 +118,7 @@ class AttemptWatch:
     oom: OomWatch = field(default_factory=OomWatch)  # the OOM-kill counters at the attempt's start
     peer_words: dict[int, bool] = field(default_factory=dict)  # failed rank -> its log blames a peer
     peer_wait_since: float | None = None
+    next_write_check: float = 0.0  # time.monotonic() of the next write_refused check
 
     def __post_init__(self) -> None:
         sup = self.sup
@@ -129,7 +137,10 @@ class AttemptWatch:
 
     def disk_full(self, force: bool) -> str | None:
         """A rank's log line saying a write failed for space, with the checkpoints' file system; or, when a rank
-        failed or hung, that file system being full (its log may live there too and then says nothing)."""
+        failed or hung, that file system being full (its log may live there too and then says nothing); or the
+        run directory refusing the supervisor's own write (every WRITE_CHECK_SECONDS)."""
+        if (refused := self.write_refused()) is not None:
+            return refused
         line = self.logs.disk_full(force)
         if line is None and not force:
             return None
@@ -139,6 +150,25 @@ class AttemptWatch:
                 return None
             line = "a rank failed or stopped with no room left on the run directory's file system"
         return f"{line} (file system {mount}: {'?' if free is None else free} bytes free)"
+
+    def write_refused(self) -> str | None:
+        now = time.monotonic()
+        if now < self.next_write_check:
+            return None
+        self.next_write_check = now + WRITE_CHECK_SECONDS
+        folder = self.sup.run.attempt_dir(self.attempt)
+        try:
+            os.utime(folder)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno not in REFUSED_WRITE:
+                return None
+            mount, free = filesystem(folder)
+            return (f"the run directory's file system refused the supervisor's own write to {folder}: "
+                    f"{exc.strerror or exc} (file system {mount}: {'?' if free is None else free} bytes free); "
+                    "the ranks' logs, metrics and checkpoints cannot be written there either")
+        return None
 
     def restore_failed(self, force: bool) -> str | None:
         """Before a resumed attempt's first step: the failing rank's last error lines."""

@@ -387,6 +387,9 @@ class Supervisor:
     def _end(self, ending: Ending, observed: Observation, handle: Handle, attempt: int, nodes: list[str],
              sigterm_at: Injection | None) -> float | None:
         """Record how the attempt ends and end its processes that way; a save returns its SIGKILL deadline."""
+        stopped = ending.cause is Cause.DISK_FULL and ending.stop is Stop.NOW
+        if stopped:  # first: the events below may not be writable either
+            self.backend.stop(handle, grace=0)
         if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL, Cause.STEP_FAILED,
                             Cause.OUT_OF_MEMORY):
             first = handle.exits.get(ending.rank) if ending.rank is not None else None
@@ -403,7 +406,7 @@ class Supervisor:
                           **({"ended_by_launcher": True} if first and first.ended_by_launcher else {}),
                           **detected)
             handle.failed_nodes.extend(n for n in ending.nodes if n not in handle.failed_nodes)
-        if ending.stop is Stop.NOW:
+        if ending.stop is Stop.NOW and not stopped:
             self.backend.stop(handle, grace=0)
         elif ending.stop is Stop.GRACE:
             self.run.emit(EV.STOP_REQUESTED, attempt=attempt, reason="interrupt (Ctrl-C / SIGTERM)",
