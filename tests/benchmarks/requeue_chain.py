@@ -57,6 +57,19 @@ def loss_sha(run: Path) -> str | None:
         return None
 
 
+def steps_trained_again(run: Path) -> int:
+    """Steps rank 0 trained in more than one attempt (its metrics lines: one per step and attempt)."""
+    seen: dict[int, set[int]] = {}
+    with open(run / "metrics" / "0.jsonl", encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            seen.setdefault(row.get("step"), set()).add(row.get("attempt"))
+    return sum(1 for attempts in seen.values() if len(attempts) > 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image", required=True)
@@ -97,10 +110,8 @@ def main() -> None:
     tally = ended[-1].get("tally", {}) if ended else {}
     requeues = sum(e["event"] == "job.requeued" for e in evs)
     planned = sum(bool(e.get("planned")) for e in ended)
-    requested = [e for e in evs if e["event"] == "preempt.requested"]
     starts = [e for e in evs if e["event"] == "attempt.started"]
-    recomputed = sum(max(0, r["step"] - s["resume_from_step"]) for r, s in zip(requested, starts[1:], strict=False)
-                     if isinstance(r.get("step"), int) and isinstance(s.get("resume_from_step"), int))
+    recomputed = steps_trained_again(chain)
     finished = any(e["event"] == "run.finished" for e in evs)
     same = loss_sha(chain) is not None and loss_sha(chain) == loss_sha(clean)
     print(f"chain: {len(starts)} attempts, {requeues} requeues, {planned} planned ends; budgets spent: "
