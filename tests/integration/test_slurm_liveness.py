@@ -122,7 +122,10 @@ def node_processes(run: RunDir, node: str) -> list[psutil.Process]:
 
 
 def controller() -> psutil.Process:
-    return next(p for p in psutil.process_iter(["name"]) if p.info["name"] == "slurmctld")
+    """The test bed's slurmctld (Debian names its binary slurmctld-wlm)."""
+    found = [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("slurmctld")]
+    assert len(found) == 1, f"one slurmctld expected, found {[p.info['name'] for p in found]}"
+    return found[0]
 
 
 def test_a_slow_node_is_probed_and_not_declared_dead_even_while_the_controller_does_not_answer(
