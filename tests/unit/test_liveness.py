@@ -15,7 +15,7 @@ import pytest
 
 from rkit.backends.base import RankExit
 from rkit.contract import heartbeat
-from rkit.contract.events import EV
+from rkit.contract.events import EV, valid_event
 from rkit.recipe.load import load_recipe
 from rkit.run.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, probe_verdict, suspects
 from rkit.run.policy import Budgets, Cause, Observation, Outcome, Tally, classify, decide
@@ -181,6 +181,8 @@ def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
         assert probes == ["c1", "c2"] and [n["event"] for n in notes] == ["liveness.self_check"] + [
             "node.suspected"] * 2
         assert not notes[0]["holding"] and notes[0]["why"].startswith("2 of 2 nodes silent at once; the supervisor's")
+        # every note is an event the readers keep (a field of another type than the vocabulary's is skipped)
+        assert all(valid_event({**n, "t": 1.0}) for n in notes), notes
         notes, dead = live.check({})
         assert sorted(dead) == ["c1", "c2"] and dead["c1"].startswith("no heartbeat since the attempt started")
     finally:
@@ -496,6 +498,7 @@ def test_the_supervisor_suspects_itself_first_and_bounds_its_probes(monkeypatch)
         monkeypatch.setattr(live.listener, "self_beat", lambda: False)  # its own socket hears nothing
         notes, _ = ticks(live, now, 4)
         assert probes == [] and notes[-1]["holding"] and "own beat did not come back" in notes[-1]["why"]
+        assert all(valid_event({**n, "t": 1.0}) for n in notes), notes
         monkeypatch.setattr(live.listener, "self_beat", lambda: True)
         # its side is fine again: once checked again (every `silence` seconds), the nodes are probed, a bounded
         # number a pass

@@ -364,7 +364,7 @@ class NodeLiveness:
             for node in self.since:  # a fresh look from now: nobody read their beats, the buffer may have overflowed
                 self.since[node] = max(self.since[node], now)
             return True, {"event": "liveness.self_check", "holding": True, "suspected": suspected,
-                          "nodes": len(self.since),
+                          "node_count": len(self.since),
                           "why": f"the supervisor's own loop was away {away:.1f} s (more than the {self.silence:g} "
                                  "s silence): no node is suspected on this pass"}
         if suspected < 2 or suspected / max(1, len(self.since)) < SELF_SUSPECT_SHARE:
@@ -374,7 +374,7 @@ class NodeLiveness:
         self.self_checked = now
         ok = self.own_side_ok = self.listener.self_beat()
         return not ok, {"event": "liveness.self_check", "holding": not ok, "suspected": suspected,
-                        "nodes": len(self.since),
+                        "node_count": len(self.since),
                 "why": (f"{suspected} of {len(self.since)} nodes silent at once; the supervisor's own beat came "
                         "back, so its socket and host are not the cause: probing, at most "
                         f"{PROBES_PER_PASS} a pass") if ok else
