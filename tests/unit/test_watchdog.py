@@ -159,3 +159,20 @@ def test_a_run_directory_that_refuses_the_supervisors_own_write_is_known_at_the_
     assert "Read-only file system" in said
     ending = classify(Observation(processes=2, exits=(), step=12, disk_full=said))
     assert ending.cause is Cause.DISK_FULL and said in ending.detail
+
+
+def test_a_stopped_rank_is_the_hangs_culprit_before_its_own_silence_passes_the_timeout():
+    """Rank 1 SIGSTOPped; rank 0 blocks in the next collective. The supervisor read rank 0's last line first, so at
+    the check only rank 0 is past the timeout (CI under load): the stopped rank is still named, with its step."""
+    from rkit.run.policy import Cause, Observation, classify
+
+    watch = HangWatch(HangPolicy(explicit=60.0, enabled=True, floor=30.0, factor=5.0, startup=300.0,
+                                 checkpoint_period=0), ranks=[0, 1], started=0.0)
+    watch.progress(0, 15, 0.1, now=100.0)
+    watch.progress(1, 15, None, now=103.0)
+    hang = watch.check(now=161.0)
+    assert hang is not None and hang.ranks == [0]  # rank 1's silence (58 s) is still within the timeout
+    ending = classify(Observation(processes=2, exits=(), step=15, hang=hang, stopped=(1,), last_steps={0: 15, 1: 15}))
+    assert ending.cause is Cause.HANG and ending.rank == 1 and ending.step == 15 and "rank 1" in ending.detail
+    assert hang.ordered((1,)) == [1, 0] and hang.ordered() == [0]
+    assert classify(Observation(processes=2, exits=(), step=15, hang=hang, last_steps={0: 15, 1: 15})).rank == 0

@@ -392,8 +392,8 @@ def classify(obs: Observation) -> Ending | None:
                       Stop.SAVE, step=obs.step)
     if obs.hang is not None and not failed:
         hang = obs.hang
-        rank = sorted(hang.ranks, key=lambda r: (r not in obs.stopped, hang.ranks.index(r)))[0]
-        last = hang.last_steps.get(rank)
+        rank = hang.ordered(obs.stopped)[0]
+        last = hang.last_steps.get(rank, obs.last_steps.get(rank))
         return Ending(Cause.HANG, f"hang: rank {rank} made no step progress for {hang.seconds_silent:.0f} s "
                                   f"(timeout {hang.timeout:.0f} s, last step {_fmt(last)})", Stop.HANG,
                       rank=rank, step=last)

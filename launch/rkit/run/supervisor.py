@@ -427,7 +427,7 @@ class Supervisor:
                           nodes: list[str]) -> None:
         """Stack dumps where possible, then SIGKILL."""
         hang, stopped = observed.hang, list(observed.stopped)
-        ranks = sorted(hang.ranks, key=lambda r: (r not in stopped, hang.ranks.index(r)))
+        ranks = hang.ordered(stopped)
         self.run.emit(EV.ATTEMPT_HANG, attempt=attempt, rank=ending.rank, ranks=ranks, stopped_ranks=stopped,
                       node=nodes[0] if len(nodes) == 1 else None, last_step=ending.step,
                       seconds_silent=hang.seconds_silent, timeout=hang.timeout)

@@ -49,6 +49,11 @@ class Hang:
     seconds_silent: float
     timeout: float
 
+    def ordered(self, stopped: tuple[int, ...] | list[int] = ()) -> list[int]:
+        """The hung ranks, the stopped ones first: a stopped rank is hung for sure, even one whose silence has not
+        yet passed the timeout (its peers' last lines may have been read before its own)."""
+        return [*stopped, *(r for r in self.ranks if r not in stopped)]
+
 
 @dataclass
 class HangWatch:
