@@ -161,8 +161,40 @@ def _lock_path(name: str) -> Path:
     return Path(os.environ[LOCKS]) / name
 
 
+def _cpu_busy() -> float:
+    """The machine's busy CPU seconds so far (/proc/stat; every process, the test bed's nodes too)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _timeline(item, started: float, busy: float) -> None:
+    """RKIT_TEST_TIMELINE=FILE: one JSON line per test (worker, start, end, the machine's busy CPU seconds
+    meanwhile), for the suite's budget (which tests wait, which compute, which overlap)."""
+    path = os.environ.get("RKIT_TEST_TIMELINE")
+    if not path:
+        return
+    import json
+
+    line = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": started,
+            "end": time.time(), "busy_cpu": round(_cpu_busy() - busy, 1)}
+    with open(path, "a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    started, busy = time.time(), _cpu_busy()
+    try:
+        yield from _locked(item)
+    finally:
+        _timeline(item, started, busy)
+
+
+def _locked(item):
     import fcntl
 
     quiet = item.get_closest_marker("quiet") is not None
