@@ -105,7 +105,7 @@ UV_COMPILE = .venv-lock/bin/uv pip compile --generate-hashes --python-version 3.
 UV_COMPILE_313 = .venv-lock/bin/uv pip compile --generate-hashes --python-version 3.13 --custom-compile-command "make lock"
 lock: lock-python lock-debian
 
-# The Debian packages of the cpu image as the mirror gives them now (a cpu image build): containers/lock/cpu.debian.txt.
+# The Debian packages of the cpu image as the mirror gives them now (a cpu image build): containers/lock/debian-trixie.txt (bases.json's debian_lock).
 lock-debian: setup apptainer
 	$(VENV)/bin/rkit image build cpu --refresh-debian-lock $(if $(MIRROR),--build-arg MIRROR=$(MIRROR))
 
