@@ -56,9 +56,13 @@ prometheus:
 	  echo "rkit: warning: no prometheus (ci/install-prometheus.sh needs root on Debian 12); its test cannot run"
 
 # Everything: unit tests, real MaxText, real Apptainer, real Prometheus, and the Slurm tests on the test bed.
+# It ends with its wall time since make started (set-up included; the suite's budget is 30 minutes on 2 cores) and
+# pytest's summary of the ten slowest tests (tests/conftest.py).
+MAKE_STARTED := $(shell date +%s)
 test: setup-dev apptainer prometheus slurm-testbed
 	$(VENV)/bin/ruff check launch tests
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+	@started=$$(date +%s); $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS); rc=$$?; \
+	  now=$$(date +%s); echo "make test: $$((now - $(MAKE_STARTED))) s in all, set-up $$((started - $(MAKE_STARTED))) s, pytest $$((now - started)) s (exit $$rc)"; exit $$rc
 
 # The Slurm test bed (ci/slurm-testbed.sh: Slurm 24.11 + Apptainer in a Debian 13 root, 3 nodes; root on
 # Debian 12). Without root it says why; the Slurm tests then skip on a laptop and fail in CI.

@@ -46,6 +46,8 @@ def identical(bench_dir: Path) -> dict:
 
 @pytest.mark.quiet  # the first to use `identical`: its gate measures speed
 def test_an_identical_candidate_passes_the_gate_bit_for_bit(identical: dict, bench_dir: Path):
+    """Budget: its set-up runs the gate (two rounds of both sides, four runs) that three tests share; it runs alone
+    (quiet)."""
     assert identical["agree"] and identical["same_math"] and identical["worse"] == []
     loss = identical["loss"]
     assert loss["counts"]["EXACT"] == 40 and loss["counts"]["DIFFER"] == 0 and loss["counts_in_verdict"]
@@ -97,6 +99,8 @@ def test_bench_run_then_compare_against_the_saved_baseline_again_agrees(identica
 # the tiny model's step is mostly fixed costs, which the load inflates on both sides alike, and the gate's
 # interval over 2 rounds reached below 1.)
 def test_a_real_slowdown_fails_the_gate(bench_dir: Path):
+    """Budget: two rounds of a 16-layer candidate against the 2-layer baseline; the candidate's steps cost many times
+    the baseline's."""
     result = gate(bench_dir, SHORT, [*SHORT, "trainer.overrides.base_num_decoder_layers=16",
                                      "trainer.overrides.base_mlp_dim=1024"], expect=1)
     assert not result["agree"] and not result["same_math"] and "step_time" in result["worse"]

@@ -19,7 +19,9 @@ def test_the_base_image_built_twice_from_nothing_is_the_same_bytes(tmp_path: Pat
     """Bit-reproducibility at its smallest real size: containers/base.def is cpu.def with only setuptools in its
     lock (a unit test holds them to that), so two cold builds in two caches run the same machinery (debootstrap
     from the mirror, the Debian lock check, SOURCE_DATE_EPOCH, pip --require-hashes, compileall, rkit's stamps,
-    the cleanup, squashfs times, the SIF header) in about a minute each. The full cpu image: make verify-image."""
+    the cleanup, squashfs times, the SIF header) in about a minute each. The full cpu image: make verify-image.
+    Budget: two cold builds of the smallest image (debootstrap, pip, squashfs), about a minute each on a quiet machine.
+    """
     from rkit.images import repro as imagerepro
 
     require_apptainer()

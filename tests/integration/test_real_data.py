@@ -102,6 +102,7 @@ def test_a_clean_run_on_real_data_records_each_steps_batch(grain_baseline: RunDi
 
 def test_a_kill_a_hang_and_a_preemption_each_resume_with_the_data_position(data_workspace: Path,
                                                                             grain_baseline: RunDir):
+    """Budget: three faults folded into one run (four cold starts); the hang waits out its timeout."""
     # Rank 1 killed at step 13 (resumes from 10), a preemption at 16 (every rank saves at the next sync point, a
     # step or two later, and the next attempt resumes from that save), rank 0 stopped at 24 (found after the 10 s
     # timeout, resumes from 20).
@@ -190,6 +191,7 @@ SHRINK_TOLERANCE = 0.005
 
 
 def test_a_shrink_and_a_grow_back_consume_the_same_tokens_at_every_step(data_workspace: Path):
+    """Budget: three attempts on real Grain data (full, shrunk, grown back), each a cold start of MaxText."""
     # The uninterrupted run on two (virtual) nodes; then the same recipe loses node 1 for good at step 12 (no spare:
     # attempt 2 trains on one process, twice the accumulation, from step 10), its rank fails at 23 with no restart
     # left, and `--resume` grows it back to two processes from step 20. Saves are synchronous: the exit fires 3 steps

@@ -29,6 +29,7 @@ def faulty_run(tmp_path_factory) -> RunDir:
 
 
 def test_status_json_goodput_adds_up(faulty_run: RunDir):
+    """Budget: its set-up makes the one faulted run that the report's tests share."""
     s = json.loads(rkit("status", "--json", str(faulty_run.path), check=0).stdout)
     assert s["state"] == "finished"
     assert [a["cause"] for a in s["attempts"]] == ["task_signal", "task_exit", "completed"]

@@ -150,6 +150,8 @@ def test_node_crash_resumes_on_a_healthy_node(cluster, slurm_workspace, cpu_imag
 
 def test_usr1_saves_requeues_and_resumes_with_the_clean_runs_loss(cluster, slurm_workspace, cpu_image,
                                                                    clean_run_200: RunDir):
+    """Budget: a 200-step job (its set-up makes the shared clean 200-step run), Slurm's USR1, the requeue's eligible
+    delay (cred_expire 30 s) and the second job's cold start."""
     # Enough steps left after the signal for JAX's preemption sync point to come before the last step
     # (with few steps left MaxText trains on to the end inside the grace period, and the run just finishes).
     # No infrastructure budget at all: a requeue answered by its save is a planned end and spends none (issue 39).
@@ -206,6 +208,7 @@ def test_deterministic_failure_stops_at_its_budget(cluster, slurm_workspace, cpu
 
 def test_supervisor_sigkill_ends_the_job_and_its_steps_and_resume_finishes(cluster, slurm_workspace, cpu_image,
                                                                           clean_run: RunDir):
+    """Budget: two Slurm jobs (the killed one and the resume), each a cold start in containers."""
     # The supervisor is the batch script's process (exec): its death ends the job, and Slurm ends the job's
     # steps with it. No rank trains on unsupervised; `--resume` submits a new job that records the attempt lost.
     import psutil
@@ -292,6 +295,8 @@ def test_a_task_failure_on_the_same_nodes_restarts_warm_in_the_standby_step(clus
 
 def test_node_crash_without_a_spare_requeues_the_job_without_that_node(cluster, slurm_workspace, cpu_image,
                                                                        clean_run: RunDir):
+    """Budget: the crash, Slurm's requeue without the node, its eligible delay, the new job's cold start and the node's
+    return."""
     run = submit(cluster, slurm_workspace, "nospare", cpu_image, "-o", "slurm.spare_nodes=0")
     victim, _ = crash_and_wait_finished(cluster, run, 25, which=1)
     events = run.events()
@@ -314,6 +319,8 @@ LONG = ["-o", "trainer.steps=200"]
 
 def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back(cluster, slurm_workspace,
                                                                                     cpu_image, clean_run_200: RunDir):
+    """Budget: three cold starts of MaxText in containers (full, shrunk onto one node, grown back after a requeue and
+    its eligible delay)."""
     # resources.min_nodes=1, no spare: sbatch --nodes=1-2 --no-kill. Rank 1 stops at step 12 (so that attempt 1
     # cannot train past it, whatever the machine's speed), then its node crashes: the run goes on at once on the
     # batch host alone, with twice the accumulation. The preemption injected at step 15 (in that attempt) requeues
@@ -374,6 +381,8 @@ def test_a_node_crash_with_no_spare_shrinks_to_one_node_and_a_requeue_grows_back
 
 def test_batch_host_crash_slurm_requeues_and_the_run_continues(cluster, slurm_workspace, cpu_image,
                                                                clean_run: RunDir):
+    """Budget: Slurm must find the batch host's node down (SlurmdTimeout 20 s here) before it requeues; then the
+    eligible delay and a new job's cold start."""
     # Rank 1 stops at step 25, so the run cannot finish before the crash lands (beside a CPU hog it once committed
     # its last step first, and the requeued job found nothing to do).
     run = submit(cluster, slurm_workspace, "batchhost", cpu_image, "-o", "slurm.spare_nodes=0",
@@ -396,6 +405,8 @@ def test_batch_host_crash_slurm_requeues_and_the_run_continues(cluster, slurm_wo
 
 def test_the_first_node_lost_leaves_the_next_nodes_processes_their_own_local_steps(cluster, slurm_workspace,
                                                                                    cpu_image):
+    """Budget: the crash waits for step 25, Slurm requeues the job off the batch host's node (its eligible delay), and
+    the new job's ranks start cold and restore from their node-local tier."""
     # The node-local tier on Slurm, in the image, 2 nodes x 2 processes: four data-parallel replicas, rank 0 writes
     # the run directory (steps 0 and the last only: a period past the end), ranks 1-3 their node's storage every 2
     # steps. The test bed's nodes share /tmp, so each node's "own storage" is a directory named after it
@@ -433,6 +444,7 @@ def test_the_first_node_lost_leaves_the_next_nodes_processes_their_own_local_ste
 
 
 def test_real_data_in_the_image_resumes_with_its_data_position(cluster, slurm_workspace, cpu_image):
+    """Budget: real Grain data in containers on two nodes, a fault and a resume: two cold starts."""
     # Text records read through MaxText's Grain pipeline inside the cpu image on two nodes (the data on the file
     # system the nodes share); rank 1 killed at step 25: attempt 2 restores step 20 with each process's Grain
     # position, and the steps it trains again (21-24) consume the batches attempt 1 consumed, to the same loss.

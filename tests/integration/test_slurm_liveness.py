@@ -59,6 +59,8 @@ def crash_and_finish(cluster, run: RunDir) -> tuple[str, float]:
 
 def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on_the_spare(
         cluster, real_timeouts, slurm_workspace, cpu_image, clean_run: RunDir):
+    """Budget: a cold resume on the spare, then the crashed node's return at Slurm's real SlurmdTimeout=300 before the
+    job leaves the queue."""
     run = submit(cluster, slurm_workspace, "crash-300", cpu_image)
     victim, crashed_at = crash_and_finish(cluster, run)
     dead = events_named(run, "node.dead")
@@ -78,6 +80,8 @@ def test_a_node_crash_at_slurms_timeouts_is_found_by_rkit_and_the_run_resumes_on
 
 def test_a_node_crash_with_warm_standbys_resumes_warm_on_the_spare(cluster, real_timeouts, slurm_workspace,
                                                                    cpu_image):
+    """Budget: the standby step starts beside the job, the crash waits for step 25, and the node must come back at
+    Slurm's real SlurmdTimeout=300 before the job leaves the queue."""
     # Long enough for the three standby steps (started after the first step, importing beside the training on these
     # 2 cores) to be ready before the crash. (A rank stopped to wait for them would be declared dead by JAX's own
     # heartbeat after 16 s.)

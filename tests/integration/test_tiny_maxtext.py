@@ -547,6 +547,7 @@ def test_a_rank_killed_for_memory_is_out_of_memory_with_its_limit_and_not_retrie
 
 
 def test_a_hang_is_detected_dumped_and_the_restart_takes_the_warm_standbys(workspace: Path, baseline: RunDir):
+    """Budget: the hang timeout (60 s) is the standbys' time to import; the rest is two attempts."""
     # rank 1 stops (SIGSTOP) at step 15; rank 0 then blocks in its next collective: nothing advances. The hang is
     # detected within the timeout and a few seconds, every thread's stack dumped, and the attempt replaced. While
     # the hang timeout runs, the standbys (started after the first step) get ready, the test kills rank 1's as
@@ -748,6 +749,7 @@ def test_a_nodes_lost_local_data_restores_the_run_directorys_step_and_says_so(wo
 
 
 def test_a_replica_left_holding_newer_local_steps_drops_them_and_saves_on(workspace: Path):
+    """Budget: three cold attempts with the node-local tier (the replica's newer steps are made, then dropped)."""
     # 4 processes, 2 replicas of 2 (fsdp within each): rank 3's local data is lost, rank 2 (its replica's other
     # half) still holds steps 12 and 14. Restored from step 10, rank 2 must drop them: holding them, it would skip
     # saving step 12 while rank 3 saves it, and the save's collective would never complete.
@@ -801,6 +803,8 @@ def test_a_damaged_local_step_is_quarantined_and_the_previous_one_restored(works
 
 def test_a_lost_first_node_leaves_each_survivor_its_own_local_step_and_a_peer_lost_in_the_restore_no_quarantine(
         workspace: Path):
+    """Budget: four processes on three virtual nodes, a lost node and a rank killed inside the next restore: three cold
+    attempts."""
     # Three virtual nodes, one process each (three replicas: the first saves to the run directory, the others to
     # their node's storage every 2 steps). Node 0 is lost at step 15 with no spare: the attempt shrinks onto
     # nodes 1 and 2, now processes 0 and 1, and each finds the local steps its node saved as process 1 or 2.
