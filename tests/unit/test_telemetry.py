@@ -456,3 +456,32 @@ def test_a_recipe_serving_beyond_loopback_needs_tls_or_insecure():
     loaded = load_recipe(TINY, ["observability.prometheus.interface=0.0.0.0", "observability.prometheus.insecure=true"])
     assert loaded.config.observability.prometheus.insecure is True
     assert load_recipe(TINY).config_hash == load_recipe(TINY).config_hash  # no new default: hashes unchanged
+
+
+WITHOUT_PSUTIL = """
+import sys
+sys.modules["psutil"] = None  # an image without psutil: importing it raises ImportError
+from rkit.runtime.telemetry import node
+sys.exit(node.main(sys.argv[1:]))
+"""
+
+
+def test_a_node_without_psutil_still_sends_its_heartbeats(run: RunDir):
+    """An image without psutil (one that lacks rkit, made by its users): the node process says it samples nothing,
+    and its heartbeats still reach the supervisor (a node without them would look silent and be probed)."""
+    import signal
+
+    from rkit.run.liveness import HeartbeatListener
+
+    listener = HeartbeatListener("127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-c", WITHOUT_PSUTIL, "--run", str(run.path), "--attempt", "1",
+                             "--node", "node-p", "--parent-pid", str(os.getpid())],
+                            env={**os.environ, **listener.environment()}, stderr=subprocess.PIPE, text=True)
+    try:
+        beats = wait_until(listener.drain, 30, "a heartbeat from the node without psutil", alive=proc)
+        assert beats[0][0].node == "node-p" and beats[0][0].attempt == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        listener.close()
+    assert "no health samples on node-p" in err and "psutil" in err and "Traceback" not in err

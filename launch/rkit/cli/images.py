@@ -24,7 +24,8 @@ def image() -> None:
 @click.option("--force", is_flag=True, help="Rebuild even if the cache has this key.")
 @click.option("--verbose", is_flag=True, help="Echo apptainer's build output.")
 @click.option("--refresh-debian-lock", is_flag=True,
-              help="Take the Debian packages the mirror gives now as the flavor's Debian lock (containers/bases.json's debian_lock, in containers/lock/; make lock).")
+              help="Take the Debian packages the mirror gives now as the flavor's Debian lock "
+                   "(containers/bases.json's debian_lock, in containers/lock/; make lock).")
 def image_build(flavor: str, build_args: tuple[str, ...], force: bool, verbose: bool,
                 refresh_debian_lock: bool) -> None:
     """Build FLAVOR into the content-addressed image cache (an unchanged key is not rebuilt)."""

@@ -160,17 +160,22 @@ def main(argv: list[str] | None = None) -> int:
             exporter = start_exporter(run, args.node, args.node_index, settings, args.attempt)
         except Exception as exc:  # noqa: BLE001 - e.g. no prometheus_client in this image: sample anyway
             sys.stderr.write(f"rkit: warning: no Prometheus exporter on {args.node}: {exc}\n")
+    # The heartbeat first: it needs only the standard library, and a node whose beats never start looks silent.
+    beats = heartbeat.start_sender(args.node, args.attempt, os.environ, stop)
     sampler_thread = None
     if settings.telemetry_interval_seconds:
-        from rkit.runtime.telemetry.health import HealthSampler
+        try:
+            from rkit.runtime.telemetry.health import HealthSampler
 
-        sampler = HealthSampler(run, attempt=args.attempt, node=args.node,
-                                disk_low_fraction=settings.disk_low_fraction)
-        sampler_thread = threading.Thread(target=sampler.run_forever, name="rkit-health", daemon=True,
-                                          args=(float(settings.telemetry_interval_seconds), stop))
-        sampler_thread.start()
+            sampler = HealthSampler(run, attempt=args.attempt, node=args.node,
+                                    disk_low_fraction=settings.disk_low_fraction)
+        except ImportError as exc:  # an image without psutil: beat (and serve) anyway
+            sys.stderr.write(f"rkit: warning: no health samples on {args.node}: {exc} (the image lacks psutil)\n")
+        else:
+            sampler_thread = threading.Thread(target=sampler.run_forever, name="rkit-health", daemon=True,
+                                              args=(float(settings.telemetry_interval_seconds), stop))
+            sampler_thread.start()
 
-    beats = heartbeat.start_sender(args.node, args.attempt, os.environ, stop)
     if exporter is None and sampler_thread is None and beats is None:
         return 0  # nothing asked for (or nothing could start): no idle process beside the trainer
     while not stop.wait(PARENT_POLL_SECONDS):
