@@ -51,8 +51,9 @@ def workspace(tmp_path_factory) -> Path:
     return path
 
 
-def run_tiny(workspace: Path, name: str, *extra: str, expect: int = 0) -> RunDir:
-    done = rkit("run", str(TINY), "-o", f"name={name}", *SHORT, *extra, cwd=workspace, env=ENV, check=expect)
+def run_tiny(workspace: Path, name: str, *extra: str, expect: int = 0, timeout: float = 600) -> RunDir:
+    done = rkit("run", str(TINY), "-o", f"name={name}", *SHORT, *extra, cwd=workspace, env=ENV, check=expect,
+                timeout=timeout)
     assert "Traceback" not in done.stderr
     return RunDir(workspace / "runs" / name)
 
@@ -688,10 +689,11 @@ LOCAL_TIER = ["-o", "checkpoint.local_period=2", "-o", "trainer.overrides.ici_da
               "-o", "trainer.overrides.ici_fsdp_parallelism=1"]
 
 
-def local_tier_run(workspace: Path, name: str, *extra: str, expect: int = 0) -> tuple[RunDir, Path]:
+def local_tier_run(workspace: Path, name: str, *extra: str, expect: int = 0,
+                   timeout: float = 600) -> tuple[RunDir, Path]:
     local = workspace.parent / f"node-local {name}"
     return run_tiny(workspace, name, *LOCAL_TIER, "-o", f"checkpoint.local_dir={local}", *extra,
-                    expect=expect), local
+                    expect=expect, timeout=timeout), local
 
 
 def outcome_sha(run: RunDir) -> str:
@@ -753,14 +755,17 @@ def test_a_replica_left_holding_newer_local_steps_drops_them_and_saves_on(worksp
     # 4 processes, 2 replicas of 2 (fsdp within each): rank 3's local data is lost, rank 2 (its replica's other
     # half) still holds steps 12 and 14. Restored from step 10, rank 2 must drop them: holding them, it would skip
     # saving step 12 while rank 3 saves it, and the save's collective would never complete.
-    # Four JAX processes on two busy cores: once in CI (stop 47) an attempt sat before its first step past the
-    # test's 10 minutes (the default start-up allowance). A hang is rkit's to survive, so the allowance here is
-    # 4 minutes and the restore asserted is the one after the loss, whichever attempt it is.
+    # Four JAX processes on two busy cores: in CI (stop 47) and beside a CPU hog (2026-12-06) an attempt hung
+    # before its first step: the stacks showed all four ranks inside the allgather of Orbax's emergency
+    # checkpointer (`sync_global_data`, the first save's `all_steps`), two at one line of JAX's process_allgather
+    # and two at another; twice in a row there. A hang is rkit's to survive (the hang watch restarts the attempt),
+    # so the start-up allowance here is 180 s (the first step came 69 s after the attempt started in that run's good
+    # attempts), the run has 15 minutes, and the restore asserted is the one after the loss, whichever attempt.
     run, _ = local_tier_run(workspace, "local-purge", "-o", "resources.processes_per_node=4",
                             "-o", "trainer.overrides.ici_data_parallelism=2",
                             "-o", "trainer.overrides.ici_fsdp_parallelism=2",
-                            "-o", "resilience.hang_startup_seconds=240",
-                            "--inject", "lose_local:rank=3,step=15")
+                            "-o", "resilience.hang_startup_seconds=180",
+                            "--inject", "lose_local:rank=3,step=15", timeout=900)
     [restored] = [e for e in events(run, "checkpoint.restored") if e.get("lost_step") is not None]
     assert (restored["tier"], restored["step"]) == ("persistent", 10) and restored["lost_step"] >= 12
     causes = [e["cause"] for e in events(run, "attempt.ended")]
