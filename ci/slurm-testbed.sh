@@ -12,13 +12,17 @@
 # Host paths visible at the same path inside the cluster (and inside --container tasks): /tmp, this repository,
 # $HOME/.pyenv (if it exists), $HOME/.cache/rkit, $BASE/work, and the paths in $RKIT_SLURM_BINDS (space-separated).
 #
-# usage: ci/slurm-testbed.sh up | down | status | env | crash NODE | restore NODE | timeouts SLURMD MESSAGE | exec CMD...
+# usage: ci/slurm-testbed.sh up | down | status | env | crash NODE | restore NODE | slurmd stop|start NODE
+#        | timeouts SLURMD MESSAGE | exec CMD...
 #   up            build what is missing (root, packages, config) and start the cluster; quick if it is already up
 #   down          stop the cluster (kills the cluster namespace from its PID file)
 #   status        sinfo -N and the namespace; exit 0 if it is up with 3 responding nodes
 #   env           print the export lines for PATH and RKIT_SLURM_BASE
 #   crash NODE    kill node NODE (c1..c3) like a machine crash
 #   restore NODE  start NODE again and wait until it is idle or allocated
+#   slurmd stop NODE, slurmd start NODE
+#                 stop NODE's slurmd only (the node and its jobs' processes live on; connections to it are refused), and
+#                 start it again (it takes up the running steps, as a restarted slurmd does)
 #   timeouts SLURMD MESSAGE
 #                 set SlurmdTimeout and MessageTimeout of the running cluster (scontrol reconfigure) and keep them for
 #                 later ups; `timeouts 300 10` are Slurm's defaults, `timeouts 20 5` the test bed's fast ones
@@ -388,6 +392,8 @@ status) cmd_status ;;
 env) print_env ;;
 crash) [ $# = 2 ] || die "usage: $0 crash NODE"; cmd_crash "$2" ;;
 restore) [ $# = 2 ] || die "usage: $0 restore NODE"; cmd_restore "$2" ;;
+slurmd) [ $# = 3 ] && [[ "$2" =~ ^(stop|start)$ ]] || die "usage: $0 slurmd stop|start NODE"; check_node "$3"
+    incluster ci-node "slurmd-$2" "$3" ;;
 timeouts) [ $# = 3 ] || die "usage: $0 timeouts SLURMD MESSAGE"; cmd_timeouts "$2" "$3" ;;
 exec) shift; [ $# -gt 0 ] || die "usage: $0 exec CMD..."; incluster "$@" ;;
 *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2 ;;

@@ -2,10 +2,12 @@
 MessageTimeout=10), where Slurm itself would see a crashed node only after five minutes: the crash is found by
 rkit (heartbeats, then the probe step), the run resumes on the spare and ends with the clean run's loss; a node
 that is slow but alive (its rank and its heartbeat stopped for longer than the silence allowed) is probed, answers,
-and the attempt goes on, also when the controller stops answering while the node is suspected."""
+and the attempt goes on, also when the controller stops answering while the node is suspected; a live node whose
+slurmd stops for 20 s while it is silent is excluded on that evidence, and rejoins as a spare when asked again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,9 +27,11 @@ from ..conftest import wait_until
 from .slurm_helpers import (
     FAST_TIMEOUTS,
     SLURM_TIMEOUTS,
+    TESTBED,
     crash_and_wait_finished,
     final_event,
     final_loss,
+    job_of,
     status,
     submit,
     wait_finished,
@@ -172,6 +176,51 @@ def test_a_slow_node_is_probed_and_not_declared_dead_even_while_the_controller_d
     leaks = [p for p in run.path.rglob("*") if p.is_file() and not p.is_symlink()
              and token.encode() in p.read_bytes()]
     assert leaks == []  # the heartbeats' token is in no manifest, log or event
+
+
+def test_a_live_node_whose_slurmd_stops_while_its_heartbeats_are_blocked_comes_back_as_a_spare(
+        cluster, real_timeouts, slurm_workspace, cpu_image, clean_run_200: RunDir):
+    """Budget: three jobs' worth of start-up (the first attempt, its resume on the spare, the requeued job after
+    Slurm's eligible delay) on a 200-step run, the shared clean 200-step run's set-up.
+
+    A node's rank and heartbeat stop and its slurmd is stopped for 20 s (the node lives on: `slurmd stop`, as
+    `systemctl stop slurmd`): silent, and its slurmd refuses connections, so rkit confirms it dead and the run resumes
+    on the spare. The exclusion is not for good: slurmd is back, and before the requeue that a USR1 asks for rkit asks
+    the node again (Slurm's state, a probe step); it answers and rejoins as a spare, so the requeued job's
+    ExcNodeList is empty, and the run finishes with the clean run's loss."""
+    run = submit(cluster, slurm_workspace, "slurmd-300", cpu_image, "-o", "trainer.steps=200")
+    wait_until(lambda: (run.attempt_dir(1) / "attempt.json").exists() and len(merged(run, 0)) >= 15, 600, "step 15")
+    node = json.loads((run.attempt_dir(1) / "attempt.json").read_text())["launch"]["nodes"][1]
+    frozen = wait_until(lambda: node_processes(run, node), 60, f"the telemetry process on {node}")
+    for proc in frozen:  # the node's heartbeats and its rank stop
+        proc.send_signal(signal.SIGSTOP)
+    subprocess.run([str(TESTBED), "slurmd", "stop", node], check=True, capture_output=True, timeout=60)
+    stopped = time.monotonic()
+    try:
+        dead = wait_until(lambda: events_named(run, "node.dead"), 120, f"rkit's verdict on {node}")
+        time.sleep(max(0.0, 20 - (time.monotonic() - stopped)))  # the node's slurmd away 20 s in all
+    finally:
+        subprocess.run([str(TESTBED), "slurmd", "start", node], check=False, capture_output=True, timeout=60)
+        for proc in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGCONT)
+    # The resumed attempt trains on the other node and the spare; a few steps in, Slurm's USR1 asks for a requeue.
+    wait_until(lambda: len([m for m in metrics.lines(run, 0) if m["attempt"] == 2]) >= 5, 600, "attempt 2's steps")
+    assert not final_event(run), "the run ended before the requeue was asked for"
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_of(run)], env=dict(os.environ, **cluster), check=True)
+    s = wait_finished(cluster, run)
+    assert [d["node"] for d in dead] == [node] and "Connection refused" in dead[0]["probe"], dead
+    assert events_named(run, "nodes.excluded")[0]["excluded"] == [node]
+    second = json.loads((run.attempt_dir(2) / "attempt.json").read_text())
+    assert node not in second["launch"]["nodes"] and "c3" in second["launch"]["nodes"]
+    rejoined = events_named(run, "nodes.rejoined")
+    assert rejoined and rejoined[0]["nodes"] == [node] and rejoined[0]["excluded"] == [], rejoined
+    assert events_named(run, "job.requeue_requested")[0]["excluded"] == []
+    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["node_fail", "preempted", "completed"]
+    assert s["slurm"]["excluded_nodes"] == [] and s["slurm"]["requeues"] == 1
+    third = json.loads((run.attempt_dir(3) / "attempt.json").read_text())
+    assert node in third["launch"]["nodes"]  # the requeued job had it back, and the attempt took it
+    assert run.load_outcome()["loss"]["sha256"] == clean_run_200.load_outcome()["loss"]["sha256"]
 
 
 def slurmctld_port(cluster) -> int:
