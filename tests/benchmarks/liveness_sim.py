@@ -13,8 +13,9 @@ NodeLiveness (run/liveness.py) of the supervisor, against --nodes simulated node
   (a slow file system, a swap storm).
 
 It prints the false deaths (nodes found dead other than the crashed one: the target is 0), the crashed node's
-detection time after its last heartbeat (target <= 10 s), the pass time (median, 99th percentile, max; target: median
-under 50 ms), the probes started, and the self-checks. Exit 1 when a target is missed.
+detection time after its last heartbeat (target <= 10 s), the pass time (median, 99th percentile, max, and when the
+three slowest came; target: the 99th percentile under 50 ms), the probes started, and the self-checks. Exit 1 when a
+target is missed.
 
     python tests/benchmarks/liveness_sim.py [--nodes 4096] [--ranks-per-node 8] [--seconds 70] [--seed 1]
 """
@@ -117,6 +118,7 @@ def main() -> None:
     ranks = args.nodes * args.ranks_per_node
     progress: dict[int, float] = {}
     passes: list[float] = []
+    when: list[float] = []  # each pass's time in the run
     deaths: dict[str, tuple[float, str]] = {}
     events: dict[str, int] = {}
     last_beat = None  # the crashed node's last heartbeat as the supervisor saw it, when it was found dead
@@ -138,6 +140,7 @@ def main() -> None:
             began = time.perf_counter()
             notes, dead = live.check(progress)
             passes.append(time.perf_counter() - began)
+            when.append(elapsed)
             for note in notes:
                 events[note["event"]] = events.get(note["event"], 0) + 1
             for node, why in dead.items():
@@ -161,11 +164,13 @@ def main() -> None:
     print("  crashed node: " + (f"found dead {detect:.1f} s after its last heartbeat ({found[1]})" if detect is not None
                                 else "NOT found"))
     print(f"  pass time: median {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms, max {ms[-1]:.1f} ms over "
-          f"{len(ms)} passes")
+          f"{len(ms)} passes; the slowest at " + ", ".join(
+              f"{when[i]:.1f} s ({1000 * passes[i]:.0f} ms)" for i in sorted(
+                  range(len(passes)), key=passes.__getitem__)[-3:][::-1]))
     print(f"  probes started: {len(probes_started)} on {len(set(probes_started))} nodes; events: "
           + ", ".join(f"{k} {v}" for k, v in sorted(events.items())))
     missed = [what for what, bad in (("false deaths", bool(false)), ("detection", detect is None or detect > 10),
-                                     ("pass time", statistics.median(ms) >= 50)) if bad]
+                                     ("pass time", p99 >= 50)) if bad]
     if missed:
         sys.exit(f"liveness_sim: missed: {', '.join(missed)}")
 

@@ -71,6 +71,28 @@ def test_the_sender_thread_reaches_the_listener_over_udp():
         listener.close()
 
 
+def test_a_backlog_is_read_over_several_drains_each_beat_with_its_arrival_stamp():
+    """A late pass does not read the whole backlog at once: a drain stops after its time, the rest waits in the
+    socket for the next one, and a beat read later still carries the time it arrived."""
+    listener = HeartbeatListener("127.0.0.1")
+    listener.size_for(64)
+    try:
+        address = listener.sock.getsockname()[:2]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for seq in range(500):
+                sock.sendto(heartbeat.encode(listener.token, f"n{seq % 64}", 1, seq), address)
+        sent = time.time()
+        time.sleep(0.2)
+        first = listener.drain(seconds=0)  # past its time at once: one batch of 64
+        rest: list = []
+        wait_until(lambda: rest.extend(listener.drain()) or len(first) + len(rest) >= 500, 10, "the backlog's rest")
+        assert len(first) == 64 and len(first) + len(rest) == 500
+        assert sorted(b.seq for b, _ in first + rest) == list(range(500))
+        assert all(arrived <= sent + 0.05 for _, arrived in rest)  # stamped on arrival, not when read
+    finally:
+        listener.close()
+
+
 def test_liveness_settings_set_jax_heartbeat_past_rkits_detection_with_room_for_a_network_blip():
     r = load_recipe(TINY, ["launcher=slurm"]).config.resilience
     assert (r.node_silence_seconds, r.node_probe_seconds, r.jax_heartbeat_seconds) == (3, 5, 61)

@@ -51,6 +51,11 @@ LAUNCH_ON_NODE = re.compile(r"failed on node (\S+?):? ")
 STARTUP_SILENCE = 30.0  # before a node's first heartbeat: its container, Python and the agent start
 MAX_BACKOFF = 60.0  # a node found alive while still silent is probed again after 2x, 4x ... the silence, at most this
 MAX_DATAGRAMS = 4096  # read per pass at most (16 per node above 256 nodes): a flood cannot hold the loop
+# And for this long at most: the backlog of a late pass (the supervisor's own stall) is read over the next passes,
+# each beat still stamped by its arrival, instead of in one pass of 100 ms and more at 4,096 nodes. At ~25 us a
+# datagram that is some 800 a pass, 8,000 a second: twice the beats of 4,096 nodes (and the receive buffer holds
+# BUFFERED_SECONDS of them meanwhile).
+DRAIN_SECONDS = 0.02
 # The receive buffer: room for BUFFERED_SECONDS of every node's beats (the kernel counts some 2 KiB a datagram), so a
 # pass that comes late drops none; within the kernel's limits (net.core.rmem_max, or more with CAP_NET_ADMIN).
 BUFFERED_SECONDS = 16
@@ -139,12 +144,15 @@ class HeartbeatListener:
                 continue
         return self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
 
-    def drain(self) -> list[tuple[heartbeat.Beat, float]]:
+    def drain(self, seconds: float = DRAIN_SECONDS) -> list[tuple[heartbeat.Beat, float]]:
         """The beats that arrived since the last drain, each with its arrival time (time.time(): the kernel's
-        stamp, else now)."""
+        stamp, else now); after `seconds` of reading, the rest waits in the socket for the next drain."""
         beats, self.pending = self.pending, []
         space = socket.CMSG_SPACE(16)
-        for _ in range(self.most):
+        deadline = time.perf_counter() + seconds
+        for count in range(self.most):
+            if count and count % 64 == 0 and time.perf_counter() > deadline:
+                break
             try:
                 data, ancillary, _, _ = self.sock.recvmsg(heartbeat.MAX_DATAGRAM, space)
             except OSError:  # BlockingIOError: nothing more has arrived
