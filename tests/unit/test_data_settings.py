@@ -123,6 +123,26 @@ def test_rkit_validate_exits_2_and_writes_nothing(data, tmp_path):
     assert done.returncode == 2 and not (tmp_path / "runs").exists()
 
 
+@needs_stack
+def test_three_kinds_of_problem_in_one_file_are_reported_in_one_go(data, tmp_path):
+    """The schema's (a step count that is not an integer), the data settings' (a tokenizer that is not there) and
+    MaxText's keys' (a misspelt key): `validate` and `run --dry-run` name all three at once, exit 2, write nothing."""
+    text = GRAIN.read_text().replace("  steps: 100\n", "  steps: 100.0\n")
+    assert "steps: 100.0" in text
+    recipe = tmp_path / "three.yaml"
+    recipe.write_text(text.replace("  overrides:\n", "  overrides:\n    learning_rat: 0.001\n", 1))
+    extra = ("-o", with_files(data), "-o", "trainer.overrides.tokenizer_path=/nowhere/tokenizer.model")
+    for argv in (("validate", str(recipe)), ("run", str(recipe), "--dry-run")):
+        done = rkit(*argv, *extra, cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "3 problem(s) in the recipe" in done.stderr, done.stderr
+        assert "trainer.steps: 100.0 is a number; expected integer" in done.stderr
+        assert "trainer.overrides.tokenizer_path: '/nowhere/tokenizer.model' is neither a file" in done.stderr
+        assert "trainer.overrides.learning_rat: MaxText has no key 'learning_rat'" in done.stderr
+        assert "Did you mean 'learning_rate'" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_synthetic_data_is_not_checked_as_files():
     assert problems("trainer.overrides.dataset_type=synthetic", "trainer.overrides.grain_train_files=/nowhere") == []
 

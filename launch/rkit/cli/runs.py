@@ -20,14 +20,10 @@ from rkit.contract.errors import RecipeError, RkitError
 def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Check RECIPE against the schema and its data settings against this host's files; report every problem
     with its key and line."""
-    from rkit.recipe import datacheck
-    from rkit.recipe.load import load_recipe
-    from rkit.run.plan import validate_maxtext_keys
+    from rkit.run.plan import load_checked
 
     try:
-        loaded = load_recipe(recipe, overrides)
-        note = validate_maxtext_keys(loaded)
-        datacheck.refuse(loaded)
+        loaded, note = load_checked(recipe, overrides, whole=True)
     except RecipeError as exc:
         if as_json:
             click.echo(json.dumps({"valid": False, "file": exc.source,
@@ -62,12 +58,12 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     from rkit.readers import status as run_status
     from rkit.readers.display import live_progress
     from rkit.readers.outcome import chronicle
-    from rkit.recipe.load import load_recipe
     from rkit.run import runner
+    from rkit.run.plan import load_checked
     from rkit.run.policy import RunState
     from rkit.runtime.inject import parse_injections
 
-    loaded = load_recipe(recipe, overrides)
+    loaded, _ = load_checked(recipe, overrides)
     injections = parse_injections(injects, loaded.processes, loaded.total_steps, loaded.config)
     if dry_run:
         click.echo(runner.dry_run(loaded, injections, resume=resume))

@@ -20,9 +20,12 @@ class RunDirUnwritable(RkitError):
 class RecipeError(RkitError):
     """A recipe that cannot be used; carries every problem found, each with file, key path and line."""
 
-    def __init__(self, source: str, problems: list[Problem]):
+    def __init__(self, source: str, problems: list[Problem], partial: object = None):
         self.source = source
         self.problems = problems
+        # the recipe as far as it could be read (recipe.load.Recipe) when only the schema's checks failed: the
+        # checks of its data settings and MaxText keys can still run, so that every problem is named at once
+        self.partial = partial
         super().__init__(self.render())
 
     def render(self) -> str:

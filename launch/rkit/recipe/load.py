@@ -5,6 +5,7 @@ This is the one loader for recipes; the CLI and the tests both go through `load_
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from collections.abc import Iterator
@@ -355,9 +356,30 @@ def parse_recipe(source: str, text: str, overrides: list[str] | tuple[str, ...] 
         apply_defaults(data, schema())
         named = {p.path for p in unfit}
         problems = unfit + [p for p in _schema_problems(data) + _semantic_problems(data) if p.path not in named]
+        if problems:
+            raise RecipeError(source, placed(problems, lines, overrides),
+                              partial=_partial(source, text, data, problems, overrides))
     if problems:
         raise RecipeError(source, placed(problems, lines, overrides))
     return Recipe(source=source, text=text, resolved=data, overrides=tuple(overrides))
+
+
+def _partial(source: str, text: str, data: dict, problems: list[Problem],
+             overrides: list[str] | tuple[str, ...]) -> Recipe | None:
+    """The recipe as far as it can be read, for the checks of its data settings and MaxText keys: each value the
+    schema refused dropped (its default stands in); None when even that has no typed view."""
+    kept = copy.deepcopy(data)
+    for problem in problems:
+        keys = [k for k in problem.path.split("[", 1)[0].split(".") if k]
+        parent = kept
+        for key in keys[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if keys and isinstance(parent, dict):
+            parent.pop(keys[-1], None)
+    apply_defaults(kept, schema())
+    if _typed(kept) is None:
+        return None
+    return Recipe(source=source, text=text, resolved=kept, overrides=tuple(overrides))
 
 
 def placed(problems: list[Problem], lines: dict[tuple, int], overrides: list[str] | tuple[str, ...]) -> list[Problem]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from rkit.backends.local.launcher import Container, LaunchRequest, LocalBackend
 from rkit.contract.config import Config
-from rkit.contract.errors import RkitError
+from rkit.contract.errors import Problem, RecipeError, RkitError
 from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
 from rkit.contract.stamp import canonical_json, hashed_config, is_secret_name, redact
@@ -25,7 +25,7 @@ from rkit.images.identity import ImageIdentity
 from rkit.images.identity import resolve as resolve_image
 from rkit.images.store import apptainer
 from rkit.recipe import datacheck, maxtext_keys
-from rkit.recipe.load import Recipe
+from rkit.recipe.load import Recipe, load_recipe, placed, recipe_lines
 from rkit.recipe.yaml_text import PATH_CHARS_WHY, unsafe_path_chars
 from rkit.run import cadence
 from rkit.run.attempt import attempt_request, default_jax_cache_dir
@@ -94,9 +94,9 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
          extra_stamp: dict[str, Any] | None = None) -> LaunchPlan:
     """Everything `runner.execute` will do, read and worked out now; a user mistake is an RkitError here, before
     anything is written. `image`: the recipe's image resolved (RESOLVE) or already identified (reproduce)."""
-    datacheck.refuse(recipe)
     image = resolve_image(recipe.config.image) if image is RESOLVE else image
-    check_maxtext_keys(recipe, image)
+    if (note := refuse_together(recipe, image)) is not None:
+        print(f"rkit: {note}", file=sys.stderr)
     run = run_path(recipe)
     if bad := unsafe_path_chars(str(run.path.resolve())):
         raise RkitError(f"{run.path.resolve()}: the run directory's path holds {bad}, {PATH_CHARS_WHY}; set "
@@ -252,18 +252,41 @@ def _deterministic(config: Config, env: dict[str, str]) -> dict[str, str]:
     return determinism.apply(env) if config.reproducibility.deterministic else env
 
 
-def check_maxtext_keys(recipe: Recipe, image: ImageIdentity | None) -> None:
-    """trainer.overrides against the MaxText that will train (maxtext_keys.py): a RecipeError before anything
-    exists; a note on stderr where the keys cannot be read here."""
-    if (note := maxtext_keys.safe_check(recipe, image)) is not None:
-        print(f"rkit: {note}", file=sys.stderr)
+def refuse_together(recipe: Recipe, image: ImageIdentity | None, before: list[Problem] | None = None, *,
+                    keys: bool = True) -> str | None:
+    """The data settings (recipe/datacheck.py) and, with `keys`, trainer.overrides against the MaxText that will
+    train (recipe/maxtext_keys.py), with `before` (the schema's problems): one RecipeError naming every problem,
+    each at its line or -o option, before anything exists. Returns the note of a check that cannot be made here (no
+    MaxText to ask): MaxText checks its keys at start-up."""
+    found = placed(datacheck.problems(recipe.config, recipe.config.launcher), recipe_lines(recipe), recipe.overrides)
+    note = None
+    if keys:
+        try:
+            note = maxtext_keys.safe_check(recipe, image)
+        except RecipeError as exc:
+            found += exc.problems
+    named = {p.path for p in before or []}
+    if problems := [*(before or []), *(p for p in found if p.path not in named)]:
+        raise RecipeError(recipe.source, problems)
+    return note
 
 
-def validate_maxtext_keys(recipe: Recipe) -> str | None:
-    """`rkit validate`: the same check as `run`, where the image is at hand; otherwise a note (validating a
-    recipe needs no apptainer and no built image)."""
+def load_checked(path: Path, overrides: tuple[str, ...], *, whole: bool = False) -> tuple[Recipe, str | None]:
+    """`rkit validate` (`whole`) and `rkit run`: the recipe loaded and checked as a whole, every problem at once
+    (the schema's, the data settings', MaxText's keys'): one RecipeError, exit 2. MaxText's keys are asked of the
+    recipe's image where it is at hand, else `validate` notes that they were not checked. `run` checks a recipe
+    the schema takes in plan(), as `reproduce` does. Returns the recipe and the note."""
+    try:
+        recipe, before = load_recipe(path, overrides), None
+    except RecipeError as exc:
+        if exc.partial is None:
+            raise
+        recipe, before = exc.partial, exc.problems
+    if before is None and not whole:
+        return recipe, None
     try:
         image = resolve_image(recipe.config.image)
     except RkitError as exc:
-        return f"note: trainer.overrides not checked against MaxText: the image is not at hand ({exc})"
-    return maxtext_keys.safe_check(recipe, image)
+        refuse_together(recipe, None, before, keys=False)
+        return recipe, f"note: trainer.overrides not checked against MaxText: the image is not at hand ({exc})"
+    return recipe, refuse_together(recipe, image, before)
