@@ -132,6 +132,27 @@ def test_override_fuzz_never_crashes(key, value):
         pass
 
 
+def test_dry_run_of_an_image_not_built_yet_prints_the_whole_plan(tmp_path, cli):
+    """A GPU recipe's plan before its image exists: the image where `make image` will put it, "not built yet",
+    the command that builds it, the container line (local) and the sbatch script (Slurm); nothing written."""
+    from ..conftest import REPO
+
+    recipe = REPO / "recipes" / "gpu" / "llama3-8b-mi300x.yaml"
+    env = {"RKIT_IMAGE_CACHE": str(tmp_path / "empty cache"), "RKIT_APPTAINER": "true"}
+    work = tmp_path / "work"
+    work.mkdir()
+    synthetic = ("-o", "trainer.overrides.dataset_type=synthetic")
+    local = cli("run", str(recipe), "--dry-run", *synthetic, "-o", "launcher=local", cwd=work, env=env, check=0)
+    image = f"{tmp_path / 'empty cache'}/rocm-"
+    assert f"# image {image}" in local.stdout and "(not built yet: `make image FLAVOR=rocm` builds it" in local.stdout
+    assert "exec --cleanenv --no-home --rocm" in local.stdout and "model_name=llama3-8b" in local.stdout
+    slurm = cli("run", str(recipe), "--dry-run", *synthetic, cwd=work, env=env, check=0)
+    assert "(not built yet: `make image FLAVOR=rocm`" in slurm.stdout and "#   --gpus-per-node=8" in slurm.stdout
+    assert list(work.iterdir()) == [] and not (tmp_path / "empty cache").exists()
+    done = cli("run", str(recipe), *synthetic, cwd=work, env=env, check=2)  # no dry run: the image is needed
+    assert "build it with `make image FLAVOR=rocm`" in done.stderr and list(work.iterdir()) == []
+
+
 def test_dry_run_prints_what_would_start_and_writes_nothing(tmp_path, cli):
     from ..conftest import TINY
 

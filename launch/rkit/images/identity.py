@@ -27,6 +27,10 @@ from rkit.images.store import (
 )
 
 
+class ImageNotBuilt(RkitError):
+    """No image of the recipe's flavor is built from the current definition, lock and rkit (exit 2)."""
+
+
 @dataclass
 class ImageIdentity:
     """What a run records about its image, and checks again before every attempt."""
@@ -103,7 +107,7 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
     same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_agent_sha256")
     current = [r for r in records if all(r["key_material"].get(k) == plan.key_material[k] for k in same)]
     if not current:
-        raise RkitError(f"image {flavor!r}: no {flavor} image built from the current containers/{flavor}.def, its "
+        raise ImageNotBuilt(f"image {flavor!r}: no {flavor} image built from the current containers/{flavor}.def, its "
                         f"lock and this rkit in {cache_dir()}; build it with `make image FLAVOR={flavor}`.")
     return _unchanged(current[0])
 
@@ -141,6 +145,19 @@ def identify(reference: str, path: Path, sha256: str | None = None) -> ImageIden
                          labels={k: v for k, v in sorted(found.items()) if k.startswith(LABEL_PREFIX)},
                          size_bytes=path.stat().st_size, python=inside["python"], agent=inside["agent"],
                          environment_sha256=imageenv.identity(env), environment=env)
+
+
+NOT_BUILT = "not built yet"  # an ImageIdentity's sha256 in a plan made before its image exists (--dry-run)
+
+
+def unbuilt(reference: str) -> ImageIdentity | None:
+    """For `rkit run --dry-run` of a recipe whose image flavor is not built yet: the identity it will have where the
+    build puts it (`make image FLAVOR=...`), its digest NOT_BUILT, the Python and agent of rkit's own images. None
+    for anything else (a SIF path that is not there is a mistake, not a plan)."""
+    if reference not in FLAVORS:
+        return None
+    plan = plan_build(reference, {"MIRROR": ANY_MIRROR} if bases()[reference]["bootstrap"] == "debootstrap" else None)
+    return ImageIdentity(reference=reference, path=str(plan.sif), sha256=NOT_BUILT, flavor=reference)
 
 
 def resolve(reference: str) -> ImageIdentity | None:

@@ -21,7 +21,7 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
 from rkit.contract.stamp import canonical_json, hashed_config, is_secret_name, redact
 from rkit.images import probe as imageagent
-from rkit.images.identity import ImageIdentity
+from rkit.images.identity import NOT_BUILT, ImageIdentity
 from rkit.images.identity import resolve as resolve_image
 from rkit.images.store import apptainer
 from rkit.recipe import datacheck, maxtext_keys
@@ -70,7 +70,9 @@ class LaunchPlan:
                                (str(self.run.resolved), "of resolved.json"))
         out = [f"# rkit run --dry-run: {source}, config hash {config_hash}",
                f"# run directory {self.run.path.resolve()} ({state})",
-               f"# image {self.image.path} ({self.image.sha256})" if self.image
+               (f"# image {self.image.path} ({self.image.sha256})" if self.image.sha256 != NOT_BUILT else
+                f"# image {self.image.path} ({NOT_BUILT}: `make image FLAVOR={self.image.flavor}` builds it; "
+                "trainer.overrides not checked against its MaxText)") if self.image
                else "# image: none (this Python environment)"]
         out += [f"# --resume changes {key}: {redact(old)!r} -> {redact(new)!r}"
                 for key, (old, new) in self.changes.items()]
@@ -95,7 +97,7 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
     """Everything `runner.execute` will do, read and worked out now; a user mistake is an RkitError here, before
     anything is written. `image`: the recipe's image resolved (RESOLVE) or already identified (reproduce)."""
     image = resolve_image(recipe.config.image) if image is RESOLVE else image
-    if (note := refuse_together(recipe, image)) is not None:
+    if (note := refuse_together(recipe, image, keys=image is None or image.sha256 != NOT_BUILT)) is not None:
         print(f"rkit: {note}", file=sys.stderr)
     run = run_path(recipe)
     if bad := unsafe_path_chars(str(run.path.resolve())):

@@ -22,7 +22,7 @@ from rkit.contract.safeio import private_dir
 from rkit.contract.stamp import hashed_config
 from rkit.images import env as imageenv
 from rkit.images import probe as imageagent
-from rkit.images.identity import ImageIdentity, identify, locate
+from rkit.images.identity import ImageIdentity, ImageNotBuilt, identify, locate, unbuilt
 from rkit.images.store import sha256_file
 from rkit.recipe.load import Recipe, parse_recipe
 from rkit.run import access
@@ -297,7 +297,11 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool, chronicle: C
 def dry_run(recipe: Recipe, injections: list[Injection], resume: bool = False) -> str:
     """`rkit run --dry-run`: the plan `rkit run` would execute (the sbatch argv and batch script, or each rank's
     command line and the variables rkit sets for it), redacted, written nowhere."""
-    return plan(recipe, resume=resume, injections=injections).render()
+    try:
+        return plan(recipe, resume=resume, injections=injections).render()
+    except ImageNotBuilt:  # the plan with the image the build will make
+        image = unbuilt(recipe.config.image)
+    return plan(recipe, resume=resume, injections=injections, image=image).render()
 
 
 def _free_name(runs_dir: Path, base: str) -> str:
