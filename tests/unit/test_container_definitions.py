@@ -173,6 +173,20 @@ def test_gpu_lock_resolves_for_its_platform(flavor, python, tmp_path):
     assert installed == pinned
 
 
+def test_the_rocm_bases_tag_names_the_rocm_its_locked_jax_plugin_is_built_for():
+    """The tag a user reads beside the rocm base's digest names the ROCm major that the locked JAX plugin wants
+    (jax-rocm7-plugin: ROCm 7), and says where the name of the pinned digest comes from."""
+    from rkit.images.store import bases
+
+    rocm = bases()["rocm"]
+    lock = (CONTAINERS / "lock" / "rocm.txt").read_text()
+    majors = {int(m) for m in re.findall(r"^jax-rocm(\d+)-plugin==", lock, re.M)}
+    assert len(majors) == 1 and rocm["tag"].split(".")[0] == str(*majors)
+    assert rocm["tag"] in rocm["tag_from"] and "config sha256:" in rocm["tag_from"]
+    assert rocm["digest"] == "sha256:439edaa8f0c4be4a3728e528f87b8a2ea1f051f34cf10b27caa4bd94f562eda7"
+    assert rocm["tag"] == "7.14.0-full"  # what public pins of that digest call it (not 7.0-complete)
+
+
 def test_image_side_files_cover_what_the_agent_imports():
     """The cache key covers the rkit modules that run inside an image: the whole import closure of every runtime/
     module (the agent, its standby, the build's helpers), imported for real."""
