@@ -110,6 +110,10 @@ def test_uninterrupted_run_is_stamped_and_finished(baseline: RunDir):
     assert outcome["step_time"]["n"] == 30 - outcome["warmup_steps_excluded"] and outcome["step_time"]["median"] > 0
     assert outcome["checkpoint_save_seconds"]["n"] >= 4 and outcome["time_to_first_step_seconds"] > 0
     assert outcome["loss"]["sha256"] in rkit("status", str(baseline.path), check=0).stdout
+    # The route for a credential MaxText needs: HF_TOKEN in rkit's environment reaches MaxText (its config holds
+    # hf_access_token, named in agent.mesh) and, below, its value lands in no file of the run directory.
+    mesh = next(e for e in baseline.events() if e["event"] == "agent.mesh")
+    assert mesh["credentials"] == ["hf_access_token"] and ENV["HF_TOKEN"] in PLANTED
     # Secrets from the environment land nowhere in the run directory: manifests, events, logs, metrics.
     assert env["environment"]["NCCL_DB_URL"] == "postgres://u:<redacted>@db.example:5432/x"
     files = [path for path in baseline.path.rglob("*") if path.is_file() and path.stat().st_size < 50_000_000]

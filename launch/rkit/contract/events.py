@@ -30,7 +30,7 @@ class EV:
     RUN_RESIZED = "run.resized"  # the next attempt trains on another node count (resources.min_nodes): nodes, why
     AGENT_STARTED = "agent.started"  # a rank's agent began (warm: a standby took the rank)
     AGENT_READY = "agent.ready"  # MaxText imported, jax.distributed set up: then restore and compile
-    AGENT_MESH = "agent.mesh"  # rank 0, after MaxText's set-up: devices, mesh axes, batch and accumulation
+    AGENT_MESH = "agent.mesh"  # rank 0, after MaxText's set-up: devices, mesh axes, batch, accumulation, credentials
     IMAGE_REBUILT = "image.rebuilt"  # the SIF's bytes changed, its environment did not: the run goes on
     STANDBY = "standby"  # a warm standby rank: started, ready, died, replaced, discarded (rank, pid)
     STOP_REQUESTED = "stop.requested"

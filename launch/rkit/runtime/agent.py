@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
 
     from rkit.runtime.trainers.maxtext import (
         after_initialize,
+        credentials_given,
         hook_the_train_loop,
         mesh_record,
         rank_overrides,
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
         if ctx.rank == 0 and config is not None:  # the attempt's mesh and batch, once per attempt
             import jax
 
-            ctx.run.emit(EV.AGENT_MESH, attempt=ctx.attempt, rank=ctx.rank,
+            ctx.run.emit(EV.AGENT_MESH, attempt=ctx.attempt, rank=ctx.rank, credentials=credentials_given(config),
                          **mesh_record(config, jax.device_count()))
         if os.environ.get(determinism.EXPECTED_ENV):
             check_determinism(ctx, os.environ)

@@ -347,6 +347,18 @@ def after_initialize(then: Callable[[Any], None]) -> None:
     train.initialize = initialize_then
 
 
+def credentials_given(config: Any) -> list[str]:
+    """The credential settings MaxText holds after its set-up (of the keys it never logs itself), by name, never by
+    value: hf_access_token, which MaxText reads from HF_TOKEN in the rank's environment (the route for a
+    credential; the recipe refuses them)."""
+    from maxtext.configs import pyconfig
+
+    get_keys = getattr(config, "get_keys", None)  # MaxText's HyperParameters
+    keys = get_keys() if callable(get_keys) else {}
+    secret = set(getattr(pyconfig, "KEYS_NO_LOGGING", ("hf_access_token",)))  # the keys MaxText itself never logs
+    return sorted(str(k) for k, v in keys.items() if k in secret and v)
+
+
 def mesh_record(config: Any, devices: int) -> dict[str, Any]:
     """What an attempt trains on, from MaxText's resolved config: its devices, the mesh's axes that are not 1
     (an auto axis, -1, as the size it takes: within a slice for ici_*, across slices for dcn_*) and the batch
