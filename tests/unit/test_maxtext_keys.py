@@ -73,6 +73,29 @@ def test_validate_and_dry_run_refuse_a_misspelled_override_before_anything_start
     assert not any(tmp_path.iterdir())  # nothing was created
 
 
+def test_a_gpu_recipe_is_checked_against_the_hosts_maxtext_when_it_is_the_version_its_image_locks(tmp_path):
+    """No rocm image here (an empty image cache): validate and --dry-run still name a misspelt key, asking the
+    host's MaxText because it is the version containers/lock/rocm.txt pins, and say so; a host of another version
+    is not asked, and a note says why the keys were not checked."""
+    from rkit.images.store import locked_version
+
+    recipe = REPO / "recipes" / "gpu" / "llama3-8b-mi300x.yaml"
+    env = {"RKIT_IMAGE_CACHE": str(tmp_path / "empty cache"), "RKIT_APPTAINER": "true"}
+    extra = ("-o", "trainer.overrides.dataset_type=synthetic", "-o", f"runs_dir={tmp_path / 'runs'}")
+    assert locked_version("rocm", "maxtext") == maxtext_keys.host_keys()["maxtext"] == "0.2.5"
+    for command in (["validate"], ["run", "--dry-run"]):
+        done = rkit(*command, str(recipe), *extra, "-o", "trainer.overrides.learning_rat=1", cwd=tmp_path, env=env,
+                    check=2)
+        assert "trainer.overrides.learning_rat: MaxText has no key 'learning_rat' (MaxText 0.2.5 of " in done.stderr
+        assert "the version the image locks). Did you mean 'learning_rate'?" in done.stderr
+    done = rkit("validate", str(recipe), *extra, cwd=tmp_path, env=env, check=0)
+    assert "note: trainer.overrides checked against MaxText 0.2.5 of" in done.stderr
+    assert "no rocm image built" in done.stderr and not (tmp_path / "runs").exists()
+    other = maxtext_keys.check(load_recipe(recipe, ["trainer.overrides.dataset_type=synthetic",
+                                                    "trainer.overrides.learning_rat=1"]), None, locked="9.9.9")
+    assert other is not None and "this host's MaxText is 0.2.5, not the 9.9.9 the image locks" in other
+
+
 def test_an_o_mistake_is_named_at_the_option_not_at_a_recipe_line():
     done = rkit("validate", str(TINY), "-o", "checkpoint.period=abc", check=2)
     # No line: the recipe's own line for the key says `period: 10`, not what was refused.

@@ -95,6 +95,19 @@ def bases() -> dict[str, Any]:
 # ---------------------------------------------------------------- inspect / verify
 
 
+def locked_version(flavor: str, package: str) -> str | None:
+    """The version of `package` that the image flavor's lock (containers/lock/FLAVOR.txt) pins; None when it pins
+    none or there is no lock here."""
+    import re
+
+    try:
+        text = (containers_dir() / "lock" / f"{flavor}.txt").read_text(encoding="utf-8")
+    except (OSError, RkitError):
+        return None
+    found = re.search(rf"^{re.escape(package)}==([^\s;\\]+)", text, re.M)
+    return found.group(1) if found else None
+
+
 def _apptainer_json(*args: str) -> dict:
     done = subprocess.run([apptainer(), *args], capture_output=True, text=True, check=False, timeout=300)
     if done.returncode != 0:

@@ -249,14 +249,22 @@ def problems(overrides: dict, keys: dict[str, Any], where: str) -> list[Problem]
     return found
 
 
-def check(recipe: Recipe, image: ImageIdentity | None) -> str | None:
+def check(recipe: Recipe, image: ImageIdentity | None, locked: str | None = None) -> str | None:
     """Raise RecipeError naming each override MaxText would refuse. Returns a note when the keys could not be
     read (no MaxText on this host for `image: none`, a MaxText whose config cannot be listed): the run goes on,
-    MaxText checks them itself at start-up."""
+    MaxText checks them itself at start-up. `locked`: the image is not at hand (not built yet, no apptainer
+    here) and its lock pins this MaxText version: the host's MaxText answers for it when it is that version."""
     overrides = recipe.config.trainer.overrides or {}
     slurm_python = recipe.config.launcher == "slurm" and image is None and recipe.config.slurm.python
     if image is not None:
         found, where = image_keys(image), f"MaxText in image {Path(image.path).name}"
+    elif locked is not None:
+        found = host_keys()
+        if found.get("maxtext") != locked:
+            return (f"note: trainer.overrides not checked against MaxText: the image is not at hand and this host's "
+                    f"MaxText is {found.get('maxtext') or 'not installed'}, not the {locked} the image locks; "
+                    "MaxText checks them at start-up")
+        where = f"MaxText {locked} of {sys.executable}, the version the image locks"
     elif slurm_python:
         return (f"note: trainer.overrides not checked against MaxText: slurm.python ({slurm_python}) runs on the "
                 "cluster's nodes; MaxText checks them at start-up")
@@ -265,13 +273,13 @@ def check(recipe: Recipe, image: ImageIdentity | None) -> str | None:
     if not isinstance(found.get("keys"), dict):
         return (f"note: trainer.overrides not checked against MaxText ({where}: {found.get('error', '?')}); "
                 "MaxText checks them at start-up")
-    where += f" {found['maxtext']}" if found.get("maxtext") else ""
+    where += f" {found['maxtext']}" if found.get("maxtext") and locked is None else ""
     bad = problems(overrides, found["keys"], where)
     if (why := base_config_problem(str(recipe.config.trainer.base_config), found.get("configs"), where)):
         bad.append(Problem("trainer.base_config", why))
     if bad:
         raise RecipeError(recipe.source, locate(recipe, bad))
-    return None
+    return None if locked is None else f"note: trainer.overrides checked against {where}, as the image is not at hand"
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -329,10 +337,10 @@ def locate(recipe: Recipe, found: list[Problem]) -> list[Problem]:
     return found
 
 
-def safe_check(recipe: Recipe, image: ImageIdentity | None) -> str | None:
+def safe_check(recipe: Recipe, image: ImageIdentity | None, locked: str | None = None) -> str | None:
     """`check`, where reading the keys themselves failed for a reason of this machine: a note, never a stop."""
     try:
-        return check(recipe, image)
+        return check(recipe, image, locked)
     except RecipeError:
         raise
     except (RkitError, OSError) as exc:

@@ -23,7 +23,7 @@ from rkit.contract.stamp import canonical_json, hashed_config, is_secret_name, r
 from rkit.images import probe as imageagent
 from rkit.images.identity import NOT_BUILT, ImageIdentity
 from rkit.images.identity import resolve as resolve_image
-from rkit.images.store import apptainer
+from rkit.images.store import FLAVORS, apptainer, locked_version
 from rkit.recipe import datacheck, maxtext_keys
 from rkit.recipe.load import Recipe, load_recipe, placed, recipe_lines
 from rkit.recipe.yaml_text import PATH_CHARS_WHY, unsafe_path_chars
@@ -71,8 +71,8 @@ class LaunchPlan:
         out = [f"# rkit run --dry-run: {source}, config hash {config_hash}",
                f"# run directory {self.run.path.resolve()} ({state})",
                (f"# image {self.image.path} ({self.image.sha256})" if self.image.sha256 != NOT_BUILT else
-                f"# image {self.image.path} ({NOT_BUILT}: `make image FLAVOR={self.image.flavor}` builds it; "
-                "trainer.overrides not checked against its MaxText)") if self.image
+                f"# image {self.image.path} ({NOT_BUILT}: `make image FLAVOR={self.image.flavor}` builds it)")
+               if self.image
                else "# image: none (this Python environment)"]
         out += [f"# --resume changes {key}: {redact(old)!r} -> {redact(new)!r}"
                 for key, (old, new) in self.changes.items()]
@@ -97,7 +97,7 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
     """Everything `runner.execute` will do, read and worked out now; a user mistake is an RkitError here, before
     anything is written. `image`: the recipe's image resolved (RESOLVE) or already identified (reproduce)."""
     image = resolve_image(recipe.config.image) if image is RESOLVE else image
-    if (note := refuse_together(recipe, image, keys=image is None or image.sha256 != NOT_BUILT)) is not None:
+    if (note := refuse_together(recipe, image, unbuilt=image is not None and image.sha256 == NOT_BUILT)) is not None:
         print(f"rkit: {note}", file=sys.stderr)
     run = run_path(recipe)
     if bad := unsafe_path_chars(str(run.path.resolve())):
@@ -255,16 +255,21 @@ def _deterministic(config: Config, env: dict[str, str]) -> dict[str, str]:
 
 
 def refuse_together(recipe: Recipe, image: ImageIdentity | None, before: list[Problem] | None = None, *,
-                    keys: bool = True) -> str | None:
-    """The data settings (recipe/datacheck.py) and, with `keys`, trainer.overrides against the MaxText that will
-    train (recipe/maxtext_keys.py), with `before` (the schema's problems): one RecipeError naming every problem,
-    each at its line or -o option, before anything exists. Returns the note of a check that cannot be made here (no
-    MaxText to ask): MaxText checks its keys at start-up."""
+                    unbuilt: bool = False) -> str | None:
+    """The data settings (recipe/datacheck.py) and trainer.overrides against the MaxText that will train
+    (recipe/maxtext_keys.py; `unbuilt`: the recipe's image is not at hand, so the host's MaxText answers when it
+    is the version the image's lock pins), with `before` (the schema's problems): one RecipeError naming every
+    problem, each at its line or -o option, before anything exists. Returns the note of a check that cannot be
+    made here (no MaxText to ask): MaxText checks its keys at start-up."""
     found = placed(datacheck.problems(recipe.config, recipe.config.launcher), recipe_lines(recipe), recipe.overrides)
     note = None
-    if keys:
+    flavor = recipe.config.image if unbuilt and recipe.config.image in FLAVORS else None
+    locked = locked_version(flavor, "maxtext") if flavor else None
+    if unbuilt and locked is None:
+        note = "note: trainer.overrides not checked against MaxText: the image is not at hand and locks no MaxText"
+    else:
         try:
-            note = maxtext_keys.safe_check(recipe, image)
+            note = maxtext_keys.safe_check(recipe, None if unbuilt else image, locked)
         except RecipeError as exc:
             found += exc.problems
     named = {p.path for p in before or []}
@@ -289,6 +294,6 @@ def load_checked(path: Path, overrides: tuple[str, ...], *, whole: bool = False)
     try:
         image = resolve_image(recipe.config.image)
     except RkitError as exc:
-        refuse_together(recipe, None, before, keys=False)
-        return recipe, f"note: trainer.overrides not checked against MaxText: the image is not at hand ({exc})"
+        note = refuse_together(recipe, None, before, unbuilt=True)
+        return recipe, note and f"{note}: {exc}"
     return recipe, refuse_together(recipe, image, before)
