@@ -266,7 +266,8 @@ def refuse_together(recipe: Recipe, image: ImageIdentity | None, before: list[Pr
     flavor = recipe.config.image if unbuilt and recipe.config.image in FLAVORS else None
     locked = locked_version(flavor, "maxtext") if flavor else None
     if unbuilt and locked is None:
-        note = "note: trainer.overrides not checked against MaxText: the image is not at hand and locks no MaxText"
+        note = ("note: trainer.overrides not checked against MaxText: the image is not at hand" +
+                (f" and containers/lock/{flavor}.txt pins no MaxText" if flavor else ""))
     else:
         try:
             note = maxtext_keys.safe_check(recipe, None if unbuilt else image, locked)
