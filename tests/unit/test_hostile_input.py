@@ -116,6 +116,18 @@ CORPUS = [
     case("time-base-60", file(set_key(SLURM, "time", "1:30:00")), rc=0),  # taken as written, not as 5400
     # runs_dir characters that Slurm's --output patterns or PATH-like lists treat specially
     *[case(f"runs-dir-{c}", file(CPU), f"runs_dir=/tmp/a{c}b", key="runs_dir") for c in ",:%"],
+    # runs_dir that cannot hold a run directory (a traceback from mkdir before)
+    case("runs-dir-a-file", file(CPU), "runs_dir=recipe.yaml", key="runs_dir", words="is not a directory"),
+    case("runs-dir-under-a-file", file(CPU), "runs_dir=recipe.yaml/runs", key="runs_dir", words="is a file"),
+    case("runs-dir-dev-null", file(CPU), "runs_dir=/dev/null", key="runs_dir", words="virtual file system"),
+    case("runs-dir-proc", file(CPU), "runs_dir=/proc/runs", key="runs_dir", words="virtual file system"),
+    # 2,000 unknown MaxText keys: the first 100 printed, the rest counted (40,000 printed 40,001 lines before)
+    case("many-unknown-keys", file(CPU.replace("  overrides:\n", "  overrides:\n" + "".join(
+        f"    unknown_{i}: 1\n" for i in range(2000)), 1)), key="trainer.overrides.unknown_", words="and 1900 more"),
+    # a multi-line private key under a harmless name: refused, its key named, the key itself never printed
+    case("env-private-key-multiline", file(set_key(CPU, "env", '{SOMETHING: "-----BEGIN OPENSSH PRIVATE KEY-----\\n'
+                                                                'abc\\n-----END OPENSSH PRIVATE KEY-----"}')),
+         key="env.SOMETHING", words="control character"),
     # secrets in the recipe (it is copied into the run directory)
     case("env-MY_PASSWD", file(set_key(CPU, "env", "{MY_PASSWD: x}")), key="env.MY_PASSWD"),
     case("env-GITHUB_PAT", file(set_key(CPU, "env", "{GITHUB_PAT: x}")), key="env.GITHUB_PAT"),
@@ -236,3 +248,13 @@ def test_real_recipes_with_one_value_replaced_parse_or_refuse(base: dict, path: 
     else:
         data[section] = value
     parses_or_refuses(yaml.safe_dump(data, allow_unicode=True), items)
+
+
+def test_a_problem_quoting_a_private_key_names_its_key_and_shows_no_part_of_the_key():
+    from rkit.contract.errors import Problem
+
+    block = "-----BEGIN OPENSSH PRIVATE KEY-----\nsecretbody\n-----END OPENSSH PRIVATE KEY-----"
+    for quoted in (repr(block), repr(block)[:50] + "..."):  # whole, and cut short as messages quote long values
+        line = Problem("env.SOMETHING", f"{quoted} holds the control character '\\n'", 5).render("r.yaml")
+        assert line.startswith("r.yaml:5: env.SOMETHING: '<redacted>") and "control character" in line, line
+        assert "secretbody" not in line and "BEGIN" not in line, line

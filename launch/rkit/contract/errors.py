@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rkit.contract.stamp import REDACTED, redact_value
+from rkit.contract.stamp import REDACTED, redact_message
 
 
 class RkitError(Exception):
@@ -28,9 +28,13 @@ class RecipeError(RkitError):
         self.partial = partial
         super().__init__(self.render())
 
+    SHOWN = 100  # problems printed; the rest counted (`rkit validate --json` lists every one)
+
     def render(self) -> str:
         lines = [f"{self.source}: {len(self.problems)} problem(s) in the recipe"]
-        lines.extend(f"  {p.render(self.source)}" for p in self.problems)
+        lines.extend(f"  {p.render(self.source)}" for p in self.problems[:self.SHOWN])
+        if len(self.problems) > self.SHOWN:
+            lines.append(f"  ... and {len(self.problems) - self.SHOWN} more (`rkit validate --json` lists them all)")
         return "\n".join(lines)
 
 
@@ -45,7 +49,7 @@ class Problem:
     def render(self, source: str) -> str:
         where = f"{source}:{self.line}" if self.line else source
         key = self.path or "(top level)"
-        return redact_value(f"{where}: {key}: {self.message}", REDACTED)  # a message may quote the value
+        return f"{where}: {key}: {redact_message(self.message, REDACTED)}"  # a message may quote the value
 
     def as_dict(self) -> dict:
         return {"path": self.path, "line": self.line, "message": self.message}

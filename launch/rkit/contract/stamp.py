@@ -45,6 +45,18 @@ def redact_value(value: str, marker: str) -> str:
     return TOKEN_SHAPE.sub(marker, SECRET_VALUE.sub(lambda m: f"{m.group('head')}{marker}@", value))
 
 
+# A private key block inside a message: up to its END line, or to where a quoted value was cut short ("..."), or to
+# the quote's end.
+PRIVATE_SPAN = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----(?:.*?-----END [A-Z ]*PRIVATE KEY-----|[^'\"]*?\.\.\.|"
+                          r"[^'\"]*)", re.S)
+
+
+def redact_message(text: str, marker: str) -> str:
+    """A message that may quote a value: each private key block replaced by `marker` (the rest, such as the key it
+    is under and what is wrong, stays readable), then redact_value's other rules."""
+    return redact_value(PRIVATE_SPAN.sub(marker, text), marker)
+
+
 REDACTED = "<redacted>"
 
 

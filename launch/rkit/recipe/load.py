@@ -64,6 +64,12 @@ class Recipe:
     def config(self) -> Config:
         return Config.from_resolved(self.resolved)
 
+    @cached_property
+    def lines(self) -> dict[tuple, int]:
+        """Each key path of the recipe's text and its line (1-based), read once."""
+        node = compose(self.source, self.text)
+        return line_index(node) if isinstance(node, yaml.MappingNode) else {}
+
     @property
     def name(self) -> str:
         return self.resolved["name"]
@@ -405,8 +411,7 @@ def override_origin(overrides: list[str] | tuple[str, ...], path: str) -> str | 
 
 def recipe_lines(recipe: Recipe) -> dict[tuple, int]:
     """Each key path of the recipe's text and its line (1-based)."""
-    node = compose(recipe.source, recipe.text)
-    return line_index(node) if isinstance(node, yaml.MappingNode) else {}
+    return recipe.lines
 
 
 def _nearest_line(lines: dict[tuple, int], path: str) -> int | None:

@@ -92,6 +92,30 @@ def run_path(recipe: Recipe) -> RunDir:
     return RunDir(Path(recipe.config.runs_dir) / recipe.name)
 
 
+VIRTUAL_FILE_SYSTEMS = ("/proc", "/sys", "/dev")  # /dev/shm is memory-backed storage: allowed
+
+
+def runs_dir_problems(recipe: Recipe) -> list[Problem]:
+    """runs_dir checked like any path before anything is written: a directory, or one rkit can make (its nearest
+    existing part is a writable directory), never on the kernel's virtual file systems."""
+    given = Path(recipe.config.runs_dir)
+    path = given.expanduser().absolute()
+    why = None
+    virtual = [v for v in VIRTUAL_FILE_SYSTEMS if path == Path(v) or Path(v) in path.parents]
+    if virtual and not (path == Path("/dev/shm") or Path("/dev/shm") in path.parents):
+        why = f"is on {virtual[0]}, a virtual file system, not storage"
+    else:
+        existing = path
+        while not os.path.lexists(existing) and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            why = f"is not a directory ({existing} is {'a file' if existing.is_file() else 'not a directory'})"
+        elif existing != path and not os.access(existing, os.W_OK | os.X_OK):
+            why = f"cannot be made: {existing} is not writable"
+    return [Problem("runs_dir", f"{str(given)!r} {why}; set runs_dir to a directory on storage you can write (the "
+                                "default is runs, beside the command).")] if why else []
+
+
 def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: Any = RESOLVE,
          extra_stamp: dict[str, Any] | None = None) -> LaunchPlan:
     """Everything `runner.execute` will do, read and worked out now; a user mistake is an RkitError here, before
@@ -261,7 +285,8 @@ def refuse_together(recipe: Recipe, image: ImageIdentity | None, before: list[Pr
     is the version the image's lock pins), with `before` (the schema's problems): one RecipeError naming every
     problem, each at its line or -o option, before anything exists. Returns the note of a check that cannot be
     made here (no MaxText to ask): MaxText checks its keys at start-up."""
-    found = placed(datacheck.problems(recipe.config, recipe.config.launcher), recipe_lines(recipe), recipe.overrides)
+    found = placed(runs_dir_problems(recipe) + datacheck.problems(recipe.config, recipe.config.launcher),
+                   recipe_lines(recipe), recipe.overrides)
     note = None
     flavor = recipe.config.image if unbuilt and recipe.config.image in FLAVORS else None
     locked = locked_version(flavor, "maxtext") if flavor else None
