@@ -170,3 +170,17 @@ def test_dry_run_prints_what_would_start_and_writes_nothing(tmp_path, cli):
     assert "-m rkit.cli supervise" in slurm.stdout
     bad = cli("run", str(TINY), "--dry-run", "-o", "trainer.steps=0", cwd=tmp_path, check=2)
     assert "trainer.steps" in bad.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("resolved", ["{}", '{"name": ""}', "[]", '{"name": 5}'])
+def test_reproduce_of_a_run_whose_resolved_config_is_damaged_exits_2_and_starts_nothing(tmp_path, cli, resolved):
+    """`rkit reproduce` reads the run's resolved.json first: without a run name (a KeyError before) or not an
+    object, exit 2 naming the file; nothing is created beside the run."""
+    from .damaged_corpus import build_good
+
+    runs = build_good(tmp_path / "case") / "runs"
+    (runs / "good" / "resolved.json").write_text(resolved)
+    before = sorted(p.name for p in runs.iterdir())
+    done = cli("reproduce", str(runs / "good"), cwd=tmp_path, check=2)
+    assert "Traceback" not in done.stderr and f"{runs / 'good' / 'resolved.json'}" in done.stderr, done.stderr
+    assert sorted(p.name for p in runs.iterdir()) == before

@@ -264,6 +264,9 @@ def reproduce(source: Path, *, name: str | None, allow_drift: bool, chronicle: C
     src = RunDir(source).require()
     resolved = src.load_resolved()
     stamp = src.load_manifest()
+    if not isinstance(resolved.get("name"), str) or not resolved["name"]:
+        raise RkitError(f"{src.resolved}: holds no run name (name:); it is not the resolved config rkit wrote for "
+                        "this run. Restore it from a copy of the run directory, or rerun the recipe with rkit run.")
     new_name = name or _free_name(src.path.parent, f"{resolved['name']}-reproduce")
     resolved = {**resolved, "name": new_name, "runs_dir": str(src.path.parent)}
     text = (f"# reproduced from {src.path} (config hash {stamp.get('config_hash')})\n"
