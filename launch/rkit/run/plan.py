@@ -307,8 +307,9 @@ def refuse_together(recipe: Recipe, image: ImageIdentity | None, before: list[Pr
 def load_checked(path: Path, overrides: tuple[str, ...], *, whole: bool = False) -> tuple[Recipe, str | None]:
     """`rkit validate` (`whole`) and `rkit run`: the recipe loaded and checked as a whole, every problem at once
     (the schema's, the data settings', MaxText's keys'): one RecipeError, exit 2. MaxText's keys are asked of the
-    recipe's image where it is at hand, else `validate` notes that they were not checked. `run` checks a recipe
-    the schema takes in plan(), as `reproduce` does. Returns the recipe and the note."""
+    recipe's image where it is at hand, else of this host's MaxText when it is the version the image locks (a note
+    says which, or that they were not checked). `run` checks a recipe the schema takes in plan(), as `reproduce`
+    does. Returns the recipe and the note."""
     try:
         recipe, before = load_recipe(path, overrides), None
     except RecipeError as exc:
