@@ -204,6 +204,9 @@ def test_a_live_node_whose_slurmd_stops_while_its_heartbeats_are_blocked_comes_b
         for proc in frozen:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGCONT)
+    # The cancelled step's processes on the node end once its slurmd is back (Slurm delivers the cancel then).
+    wait_until(lambda: not [p for p in frozen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 180,
+               f"attempt 1's processes on {node} to end")
     # The resumed attempt trains on the other node and the spare; a few steps in, Slurm's USR1 asks for a requeue.
     wait_until(lambda: len([m for m in metrics.lines(run, 0) if m["attempt"] == 2]) >= 5, 600, "attempt 2's steps")
     assert not final_event(run), "the run ended before the requeue was asked for"
@@ -216,7 +219,12 @@ def test_a_live_node_whose_slurmd_stops_while_its_heartbeats_are_blocked_comes_b
     rejoined = events_named(run, "nodes.rejoined")
     assert rejoined and rejoined[0]["nodes"] == [node] and rejoined[0]["excluded"] == [], rejoined
     assert events_named(run, "job.requeue_requested")[0]["excluded"] == []
-    assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["node_fail", "preempted", "completed"]
+    # The requeued job (the same job id) may first lose its rank on the node to Slurm's late kill of the job's
+    # earlier instance there (seen once in CI, under load: "rank 1 killed by SIGKILL before its first step"); the
+    # next attempt then trains on the same nodes.
+    causes = [a["cause"] for a in s["attempts"]]
+    assert s["state"] == "finished" and causes[:2] == ["node_fail", "preempted"] and causes[-1] == "completed"
+    assert causes[2:-1] in ([], ["task_signal"]), causes
     assert s["slurm"]["excluded_nodes"] == [] and s["slurm"]["requeues"] == 1
     third = json.loads((run.attempt_dir(3) / "attempt.json").read_text())
     assert node in third["launch"]["nodes"]  # the requeued job had it back, and the attempt took it

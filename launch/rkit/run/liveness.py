@@ -324,7 +324,9 @@ class NodeLiveness:
         watched = {n: max(t, self.cleared.get(n, t)) for n, t in self.since.items()
                    if n not in self.probes and n not in self.dead and n not in self.deaf}
         found = suspects(watched, self.ranks_of, progress, now, self.silence)
-        holding, said = self._own_side(away, len(found), now) if found else (False, None)
+        # Silent "at once" means within a probe's time, not in one pass: nodes whose beats stopped together cross
+        # the silence a pass or two apart (their phases differ), and the first of them is already being probed.
+        holding, said = self._own_side(away, len(found) + len(self.probes), now) if found else (False, None)
         notes += [said] if said else []
         if holding:
             return notes, dead
