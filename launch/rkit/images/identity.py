@@ -94,6 +94,13 @@ def cached_records(flavor: str) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r.get("built", 0), reverse=True)
 
 
+def _current_plan(flavor: str):
+    """The build the current definition, lock and rkit make of `flavor`. Which mirror does not matter here (its
+    key material is compared without build_args); naming one skips the reachability probe, and it must pass
+    plan_build's MIRROR check like any other."""
+    return plan_build(flavor, {"MIRROR": ANY_MIRROR} if bases()[flavor]["bootstrap"] == "debootstrap" else None)
+
+
 def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
     """The cached image of this flavor built from the current definition and lock (or with a given digest)."""
     records = cached_records(flavor)
@@ -101,9 +108,7 @@ def resolve_flavor(flavor: str, want_sha256: str | None = None) -> Path:
         for record in records:
             if record["sha256"] == want_sha256:
                 return _unchanged(record)
-    # Which mirror does not matter here (build_args are not compared below); naming one skips the reachability
-    # probe, and it must pass plan_build's MIRROR check like any other.
-    plan = plan_build(flavor, {"MIRROR": ANY_MIRROR} if bases()[flavor]["bootstrap"] == "debootstrap" else None)
+    plan = _current_plan(flavor)
     same = ("definition_sha256", "lock_sha256", "base_reference", "base_digest", "rkit_agent_sha256")
     current = [r for r in records if all(r["key_material"].get(k) == plan.key_material[k] for k in same)]
     if not current:
@@ -156,8 +161,8 @@ def unbuilt(reference: str) -> ImageIdentity | None:
     for anything else (a SIF path that is not there is a mistake, not a plan)."""
     if reference not in FLAVORS:
         return None
-    plan = plan_build(reference, {"MIRROR": ANY_MIRROR} if bases()[reference]["bootstrap"] == "debootstrap" else None)
-    return ImageIdentity(reference=reference, path=str(plan.sif), sha256=NOT_BUILT, flavor=reference)
+    return ImageIdentity(reference=reference, path=str(_current_plan(reference).sif), sha256=NOT_BUILT,
+                         flavor=reference)
 
 
 def resolve(reference: str) -> ImageIdentity | None:
