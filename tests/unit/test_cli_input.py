@@ -134,7 +134,8 @@ def test_override_fuzz_never_crashes(key, value):
 
 def test_dry_run_of_an_image_not_built_yet_prints_the_whole_plan(tmp_path, cli):
     """A GPU recipe's plan before its image exists: the image where `make image` will put it, "not built yet",
-    the command that builds it, the container line (local) and the sbatch script (Slurm); nothing written."""
+    the command that builds it, the container line (local), the sbatch script and the attempt's srun line (Slurm);
+    nothing written."""
     from ..conftest import REPO
 
     recipe = REPO / "recipes" / "gpu" / "llama3-8b-mi300x.yaml"
@@ -148,6 +149,10 @@ def test_dry_run_of_an_image_not_built_yet_prints_the_whole_plan(tmp_path, cli):
     assert "exec --cleanenv --no-home --rocm" in local.stdout and "model_name=llama3-8b" in local.stdout
     slurm = cli("run", str(recipe), "--dry-run", *synthetic, cwd=work, env=env, check=0)
     assert "(not built yet: `make image FLAVOR=rocm`" in slurm.stdout and "#   --gpus-per-node=8" in slurm.stdout
+    step = next(line for line in slurm.stdout.splitlines() if line.startswith("srun "))  # the attempt's job step
+    assert "--ntasks=1 --ntasks-per-node=1 '--nodelist=<node 1>' " in step and "--kill-on-bad-exit=1" in step
+    assert f" apptainer exec --no-home --rocm --bind {work / 'runs'}/" in step and f"{image}" in step
+    assert "model_name=llama3-8b" in step and "  RKIT_NPROCS=1" in slurm.stdout
     assert list(work.iterdir()) == [] and not list((tmp_path / "empty cache").glob("*.sif"))
     done = cli("run", str(recipe), *synthetic, cwd=work, env=env, check=2)  # no dry run: the image is needed
     assert "build it with `make image FLAVOR=rocm`" in done.stderr and list(work.iterdir()) == []

@@ -4,6 +4,7 @@ own request for the first attempt, and execution refuses a run directory that ch
 from __future__ import annotations
 
 import shlex
+import sys
 
 import pytest
 
@@ -92,7 +93,8 @@ def test_supervise_plans_from_the_run_directory_what_its_submission_recorded(tmp
     recipe = load_recipe(TINY, [f"runs_dir={tmp_path}", "name=s", "launcher=slurm", "env.FOO=bar"])
     injections = parse_injections(["kill:rank=1,step=5"], recipe.processes)
     submitted = plan(recipe, resume=False, injections=injections)
-    assert "#!/bin/bash" in submitted.render() and submitted.first_request is None
+    text = submitted.render()
+    assert "#!/bin/bash" in text and shlex.join(submitted.first_request.argv) in text  # the attempt's srun line
     with runner.open_run(submitted) as (run, _lock):
         run.emit(EV.JOB_SUBMITTED, job_id="7", injections=[i.as_dict() for i in injections])
         run.emit(EV.NODES_EXCLUDED, excluded=["c2"])
@@ -101,3 +103,15 @@ def test_supervise_plans_from_the_run_directory_what_its_submission_recorded(tmp
     assert inside.recipe is None and inside.config == recipe.config
     assert [i.spec for i in inside.injections] == ["kill:rank=1,step=5"] and inside.excluded == ["c2"]
     assert inside.first_attempt == 2 and inside.base_env["FOO"] == "bar" and inside.image is None
+    # The line the dry run showed is the line the supervisor's backend makes, once the nodes have names.
+    from rkit.backends.slurm.launcher import SlurmStepBackend
+    from rkit.run.attempt import attempt_request
+
+    res = recipe.config.resources
+    backend = SlurmStepBackend(nodes_per_step=res.nodes, tasks_per_node=res.processes_per_node,
+                               python=recipe.config.slurm.python or sys.executable)
+    backend.allocation = lambda: ["c1", "c2", "c3"]
+    shown = [a.replace("<node 1>", "c1") for a in submitted.first_request.argv]
+    real = attempt_request(backend, recipe.config, run, None, submitted.base_env, {}, submitted.jax_cache_dir, 1, [
+        i for i in injections if i.in_trainer], run.path.resolve() / "attempts" / "1")
+    assert real.argv == shown and real.env["RKIT_NPROCS"] == submitted.first_request.env["RKIT_NPROCS"] == "2"

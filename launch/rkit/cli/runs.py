@@ -50,8 +50,9 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
                    "(with checkpoint.local_dir) (add ,repeat=true to fire every attempt).")
 @click.option("--quiet", is_flag=True, help="No live progress display.")
 @click.option("--wait", is_flag=True, help="launcher: slurm: follow the job until the run ends.")
-@click.option("--dry-run", is_flag=True, help="Print the plan `rkit run` executes: the sbatch script (Slurm) or "
-              "the first attempt's command lines and the variables rkit sets (local); write nothing, start nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan `rkit run` executes: the sbatch script and the first "
+              "attempt's srun line (Slurm), or its command lines (local), with the variables rkit sets; write "
+              "nothing, start nothing.")
 def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
         wait: bool, dry_run: bool) -> None:
     """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rkit.backends.local.launcher import Container, LaunchRequest, LocalBackend
+from rkit.backends.local.launcher import Container, LocalBackend
+from rkit.backends.slurm.steps import StepPreview
 from rkit.contract.config import Config
 from rkit.contract.errors import Problem, RecipeError, RkitError
 from rkit.contract.events import EV
@@ -55,7 +56,7 @@ class LaunchPlan:
     training_change: str | None = None  # what those changes change in what MaxText derives (the schedule)
     extra_stamp: dict[str, Any] = field(default_factory=dict)  # reproduce: where the run came from
     backend: LocalBackend | None = None  # local: the launcher the supervisor runs the attempts with
-    first_request: LaunchRequest | None = None  # local: what the first attempt starts
+    first_request: Any = None  # what the first attempt starts: LaunchRequest (local), StepRequest (slurm, shown)
     batch: Any = None  # slurm: the sbatch request (backends/slurm/launcher.BatchRequest)
     excluded: list[str] = field(default_factory=list)  # supervise: the nodes earlier attempts excluded
 
@@ -79,8 +80,15 @@ class LaunchPlan:
         if self.training_change:
             out.append(f"# and with it the training: {self.training_change}")
         if self.batch is not None:
-            return "\n".join([*out, "# sbatch argv, one item per line:",
-                              *(f"#   {redact(a)}" for a in self.batch.argv), self.batch.script.rstrip("\n")])
+            step = self.first_request
+            changed = {k: v for k, v in sorted(step.env.items()) if self.host_env.get(k) != v}
+            return "\n".join([
+                *out, "# sbatch argv, one item per line:", *(f"#   {redact(a)}" for a in self.batch.argv),
+                self.batch.script.rstrip("\n"),
+                f"# attempt {step.attempt}'s job step, started by the supervisor inside the job on the allocation's "
+                f"first {len(step.nodes)} healthy node(s), named when it starts; log {step.log}:",
+                shlex.join(redact(step.argv)), *(f"  {k}={shlex.quote(str(v))}" for k, v in redact(changed).items()),
+                "# with the job's environment (--export=ALL); each task's rank is its SLURM_PROCID."])
         for rank in self.first_request.ranks:
             changed = {k: v for k, v in sorted(rank.env.items()) if self.host_env.get(k) != v}
             out += [f"# rank {rank.rank}: log {rank.log}", shlex.join(rank.argv),
@@ -142,33 +150,40 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
                   injections=list(injections), host_env=host, base_env=training_env(recipe.config, image, host),
                   jax_cache_dir=default_jax_cache_dir(), first_attempt=first, changes=changes, training_change=why,
                   extra_stamp=dict(extra_stamp or {}))
+    # checkpoint.period auto or a time: the period the first attempt would get, from what the runs directory measured
+    period = cadence.for_attempt(run, recipe.config, recipe.resolved)[0].period \
+        if recipe.config.checkpoint.auto else None
+    in_trainer = [i for i in injections if i.in_trainer]
+    res, resilience = recipe.config.resources, recipe.config.resilience
+    binds = (str(run.path.resolve()), common["jax_cache_dir"], *localtier.binds(recipe.config))
     if recipe.config.launcher == "slurm":
         from rkit.backends.slurm import launcher as slurm
 
         if image is not None:
             slurm.check_container_launch(recipe.config.slurm.container_launch)
-        batch = slurm.render_batch(run, recipe.config, recipe.config.slurm.python or sys.executable)
-        return LaunchPlan(**common, batch=batch)
+        python = recipe.config.slurm.python or sys.executable
+        batch = slurm.render_batch(run, recipe.config, python)
+        step = StepPreview(
+            nodes_per_step=res.nodes, tasks_per_node=res.processes_per_node,
+            container_launch=recipe.config.slurm.container_launch, sif=image.path if image else None, binds=binds,
+            gpu_flags=tuple(image.gpu_flags) if image else (), python=python,
+            image_python=image.python if image else "/opt/venv/bin/python", agent_path=bound_agent_path(run, image))
+        request = attempt_request(step, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
+                                  first, in_trainer, RunDir(run.path.resolve()).attempt_dir(first), period=period)
+        return LaunchPlan(**common, batch=batch, first_request=request)
     if recipe.config.checkpoint.local_dir:  # this machine is the node: an unset variable is a mistake found now
         localtier.expand(recipe.config.checkpoint.local_dir, {**host, **common["base_env"]})
     container = None
     if image is not None:
-        container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags),
-                              binds=(str(run.path.resolve()), common["jax_cache_dir"],
-                                     *localtier.binds(recipe.config)), python=image.python,
-                              agent_path=bound_agent_path(run, image))
-    res = recipe.config.resources
-    resilience = recipe.config.resilience
+        container = Container(apptainer=apptainer(), sif=image.path, gpu_flags=tuple(image.gpu_flags), binds=binds,
+                              python=image.python, agent_path=bound_agent_path(run, image))
     backend = LocalBackend(container=container,
                            warm_standby=resilience.standby_on(res.processes_per_node * res.nodes, os.cpu_count()),
                            jax_heartbeat_seconds=resilience.local_jax_heartbeat_seconds, nodes=res.nodes,
                            processes_per_node=res.processes_per_node)
     # Every injection is pending at a start: execute's run.submitted / run.resumed event begins their count.
-    # checkpoint.period auto or a time: the period the first attempt would get, from what the runs directory measured
-    period = cadence.for_attempt(run, recipe.config, recipe.resolved)[0].period \
-        if recipe.config.checkpoint.auto else None
     request = attempt_request(backend, recipe.config, run, image, common["base_env"], host, common["jax_cache_dir"],
-                              first, [i for i in injections if i.in_trainer], run.attempt_dir(first), period=period)
+                              first, in_trainer, run.attempt_dir(first), period=period)
     return LaunchPlan(**common, backend=backend, first_request=request)
 
 

@@ -40,7 +40,7 @@ from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's qu
     submitted_job_id,
 )
 from rkit.backends.slurm.standby import SlurmStandbyPool
-from rkit.backends.slurm.steps import LOST_NODE_WAIT, StepHandle, StepPart, StepRequest
+from rkit.backends.slurm.steps import LOST_NODE_WAIT, StepHandle, StepPart, StepRequest, step_argv
 from rkit.contract.config import Config, Resilience
 from rkit.contract.errors import RkitError
 from rkit.contract.rundir import RunDir, current_umask, open_for_writing, write_atomic
@@ -299,22 +299,10 @@ class SlurmStepBackend:
         if self.liveness is not None:
             env.update(self.liveness.environment())
         env.pop("RKIT_RANK", None)  # each task's rank is its SLURM_PROCID
-        # --overlap: a step that Slurm still counts on a dead node (until SlurmdTimeout) holds its CPUs on the
-        # live ones too; without it the next attempt's step would wait for them ("Requested nodes are busy").
-        srun = ["srun", "--overlap", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={processes}",
-                f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
-                f"--output={attempt_dir / RunDir.rank_log_name('%t')}", "--export=ALL", f"--job-name=attempt-{attempt}"]
-        agent = ["-m", "rkit.runtime.agent", *trainer_args]
-        if self.sif is None:
-            argv = [*srun, self.python, *agent]
-        elif self.container_launch == "oci":
-            argv = [*srun, f"--container={self.sif}", self.image_python, *agent]
-        else:
-            # No --cleanenv here: each task's own SLURM_PROCID/SLURM_LOCALID must reach the container, and srun
-            # sets them per task. What would break the image's Python is removed instead.
-            binds = [arg for path in self.binds for arg in ("--bind", path)]
-            argv = [*srun, "apptainer", "exec", "--no-home", *self.gpu_flags, *binds, self.sif, self.image_python,
-                    *agent]
+        argv = step_argv(nodes, processes, self.tasks_per_node, attempt_dir, attempt,
+                         container_launch=self.container_launch, sif=self.sif, binds=self.binds,
+                         gpu_flags=self.gpu_flags, python=self.python, image_python=self.image_python,
+                         trainer_args=trainer_args)
         if self.sif is not None:
             for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
                 env.pop(name, None)

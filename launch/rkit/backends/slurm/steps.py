@@ -50,6 +50,58 @@ class StepRequest:
         return {"argv": self.argv, "nodes": self.nodes, "log": str(self.log.relative_to(root))}
 
 
+
+def step_argv(nodes: list[str], processes: int, tasks_per_node: int, attempt_dir: Path, attempt: int, *,
+              container_launch: str, sif: str | None, binds: tuple[str, ...], gpu_flags: tuple[str, ...],
+              python: str, image_python: str, trainer_args: list[str]) -> list[str]:
+    """The srun line of one attempt's job step (pure: `rkit run --dry-run` shows it with the nodes to come)."""
+    # --overlap: a step that Slurm still counts on a dead node (until SlurmdTimeout) holds its CPUs on the
+    # live ones too; without it the next attempt's step would wait for them ("Requested nodes are busy").
+    srun = ["srun", "--overlap", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--ntasks={processes}",
+            f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}",
+            f"--output={attempt_dir / RunDir.rank_log_name('%t')}", "--export=ALL", f"--job-name=attempt-{attempt}"]
+    agent = ["-m", "rkit.runtime.agent", *trainer_args]
+    if sif is None:
+        return [*srun, python, *agent]
+    if container_launch == "oci":
+        return [*srun, f"--container={sif}", image_python, *agent]
+    # No --cleanenv here: each task's own SLURM_PROCID/SLURM_LOCALID must reach the container, and srun sets
+    # them per task. What would break the image's Python is removed from the step's environment instead.
+    return [*srun, "apptainer", "exec", "--no-home", *gpu_flags, *[a for path in binds for a in ("--bind", path)],
+            sif, image_python, *agent]
+
+@dataclass
+class StepPreview:
+    """The first attempt's job step as `rkit run --dry-run` shows it, before the job has nodes: the backend's
+    `prepare` with the nodes, and the coordinator on the first of them, named by what they will be. The
+    supervisor's SlurmStepBackend makes the same line (step_argv) once the allocation is known."""
+
+    nodes_per_step: int
+    tasks_per_node: int
+    container_launch: str
+    sif: str | None
+    binds: tuple[str, ...]
+    gpu_flags: tuple[str, ...]
+    python: str
+    image_python: str
+    agent_path: str | None = None
+
+    def prepare(self, *, attempt: int, processes: int, trainer_args: list[str], base_env: dict[str, str],
+                attempt_dir: Path, cwd: Path, port: int | None = None,
+                host_env: dict[str, str] | None = None) -> StepRequest:
+        nodes = [f"<node {n + 1}>" for n in range(max(1, processes // self.tasks_per_node))]
+        env = {**base_env, "RKIT_NPROCS": str(processes), "RKIT_COORDINATOR": "<node 1>:<port>",
+               "PYTHONUNBUFFERED": "1"}
+        if self.sif is not None and self.agent_path:
+            env["PYTHONPATH"] = self.agent_path
+        argv = step_argv(nodes, processes, self.tasks_per_node, attempt_dir, attempt,
+                         container_launch=self.container_launch, sif=self.sif, binds=self.binds,
+                         gpu_flags=self.gpu_flags, python=self.python, image_python=self.image_python,
+                         trainer_args=trainer_args)
+        return StepRequest(attempt=attempt, argv=argv, env=env, nodes=nodes,
+                           log=attempt_dir / RunDir.launcher_log_name, cwd=cwd, processes=processes)
+
+
 @dataclass(frozen=True)
 class StepPart:
     """One job step of the attempt: its name (scancel finds it by it), its srun, srun's log, and its ranks (its
