@@ -15,7 +15,7 @@ import pytest
 from rkit.contract.errors import RecipeError
 from rkit.readers import compare, outcome
 from rkit.recipe import datacheck, sampledata
-from rkit.recipe.load import load_recipe
+from rkit.recipe.load import load_recipe, placed, recipe_lines
 from rkit.runtime.telemetry import metrics
 
 from ..conftest import REPO, rkit
@@ -36,11 +36,14 @@ def data(tmp_path_factory) -> Path:
 
 
 def problems(*overrides: str) -> list[str]:
+    """The data settings' problems as `rkit validate` and `run` print them (run/plan.refuse_together), each placed
+    on the recipe's line or the -o option that set it."""
     try:
-        datacheck.refuse(load_recipe(GRAIN, list(overrides)))
-    except RecipeError as exc:
+        recipe = load_recipe(GRAIN, list(overrides))
+    except RecipeError as exc:  # the recipe's own rules (a shrink with grain's settings)
         return [f"{p.path}: {p.message}" for p in exc.problems]
-    return []
+    found = placed(datacheck.problems(recipe.config, recipe.config.launcher), recipe_lines(recipe), recipe.overrides)
+    return [f"{p.path}: {p.message}" for p in found]
 
 
 def with_files(data: Path, kind: str = "array_record") -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rkit.contract.defaults import schema
@@ -240,6 +240,7 @@ def test_generated_structures_parse_or_refuse(tree: dict, items: list[str]):
 
 @fuzz
 @given(base=st.sampled_from(BASES), path=st.sampled_from(PATHS), value=trees, items=overrides)
+@example(base=BASES[0], path="slurm", value={"extra_sbatch": True}, items=[])  # a TypeError once, found here
 def test_real_recipes_with_one_value_replaced_parse_or_refuse(base: dict, path: str, value, items: list[str]):
     data = yaml.safe_load(yaml.safe_dump(base))
     section, _, key = path.partition(".")

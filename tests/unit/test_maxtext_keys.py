@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from rkit.contract.errors import RecipeError
@@ -63,14 +61,12 @@ def test_a_misspelled_key_in_the_recipe_file_is_named_at_its_line():
 def test_validate_and_dry_run_refuse_a_misspelled_override_before_anything_starts(tmp_path):
     maxtext_keys.host_keys()  # the first read of MaxText's config (imports, 3 s) is memoised
     for command in (["validate"], ["run", "--dry-run"]):
-        started = time.monotonic()
         done = rkit(*command, str(TINY), "-o", f"runs_dir={tmp_path}", "-o", "trainer.overrides.learning_rat=1e-4",
                     cwd=tmp_path, check=2)
-        assert time.monotonic() - started < 10
         assert "trainer.overrides.learning_rat: MaxText has no key 'learning_rat'" in done.stderr
         assert "Did you mean 'learning_rate'?" in done.stderr
         assert "(from -o trainer.overrides.learning_rat=1e-4)" in done.stderr and "Traceback" not in done.stderr
-    assert not any(tmp_path.iterdir())  # nothing was created
+    assert not any(tmp_path.iterdir())  # nothing was created: no run directory, no attempt, no rank started
 
 
 def test_a_gpu_recipe_is_checked_against_the_hosts_maxtext_when_it_is_the_version_its_image_locks(tmp_path):

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rkit.contract.config import Config
-from rkit.contract.errors import Problem, RecipeError
-from rkit.recipe.load import Recipe, placed, recipe_lines
+from rkit.contract.errors import Problem
 
 WHERE = "trainer.overrides."
 # base.yml's values of the keys read here (MaxText 0.2.5)
@@ -47,14 +46,6 @@ def _settings(config: Config) -> dict[str, Any]:
             pass
     values.update({k: v for k, v in (config.trainer.overrides or {}).items() if k in DEFAULTS})
     return values
-
-
-def refuse(recipe: Recipe) -> None:
-    """Raise RecipeError (exit 2) naming each data setting this host cannot read as the recipe says, on the
-    recipe's line or the -o option that set it; nothing is written before this."""
-    found = problems(recipe.config, recipe.config.launcher)
-    if found:
-        raise RecipeError(recipe.source, placed(found, recipe_lines(recipe), recipe.overrides))
 
 
 def problems(config: Config, launcher: str) -> list[Problem]:

@@ -212,7 +212,8 @@ def _semantic_problems(data: dict) -> list[Problem]:
                                     f"{res['processes_per_node']} processes per node; give a multiple of "
                                     "processes_per_node."))
     if isinstance(slurm, dict):
-        for i, option in enumerate(slurm.get("extra_sbatch") or []):
+        extra = slurm.get("extra_sbatch")
+        for i, option in enumerate(extra if isinstance(extra, list) else []):  # another type: the schema says so
             name = str(option).split("=", 1)[0]
             if (owned := owned_sbatch_option(name)) is not None:
                 means = "" if owned == name else f" ({name} is sbatch's abbreviation of {owned})"
