@@ -2,7 +2,10 @@
 N metric lines per rank and E events, then the wall time, CPU time and peak RSS of the command, median of
 --repeats, in three cases: cold (no digest in the reader's cache: the first `rkit status` of a run on this
 account), warm (nothing new since the last call) and after 1,000 more steps and 100 more events were appended
-(a live run between two calls). Each case in its own child process; the cache is a temporary folder.
+(a live run between two calls). Each case in its own child process; the cache is a temporary folder. Then two
+cases of a real run's first look: `rkit status --watch`'s first frame (drawn from the files' tails, before the
+history is read), and a cold `rkit status --json` of a run whose supervisor kept its digest in <run>/digest/ (as
+rkit's supervisor does at each attempt's end; 1,000 steps appended since).
 
     python tests/benchmarks/status_scale.py --lines 1000000 --events 100000 --repeats 3
 """
@@ -61,12 +64,13 @@ def generate(path: Path, lines: int, events: int, ranks: int = 2) -> Path:
     return path
 
 
-def measure(run: Path, cache: Path) -> tuple[float, float, float]:
-    """Wall seconds, CPU seconds and peak RSS (MiB) of one `rkit status --json RUN` in a child process."""
+def measure(run: Path, cache: Path, child: str | None = None) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and peak RSS (MiB) of one `rkit status --json RUN` (or `child`) in a child
+    process."""
     import os
 
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, str(run)], check=True, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", child or CHILD, str(run)], check=True, capture_output=True, text=True,
                           env={**os.environ, "RKIT_STATUS_CACHE": str(cache)})
     wall = time.perf_counter() - start
     cpu, peak = json.loads(done.stdout.strip().splitlines()[-1])
@@ -81,6 +85,18 @@ from rkit.cli import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     main(["status", "--json", sys.argv[1]], standalone_mode=False)
+u = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps([u.ru_utime + u.ru_stime, u.ru_maxrss]))
+"""
+
+
+# `rkit status --watch`'s first frame in a child: the imports of the command and the frame drawn from the tails.
+FIRST_FRAME = """
+import io, json, resource, sys, time
+from rich.console import Console
+from rkit.contract.rundir import RunDir
+from rkit.readers.watch import glance, render_watch
+Console(file=io.StringIO(), width=120).print(render_watch(glance(RunDir(sys.argv[1])), time.time()))
 u = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps([u.ru_utime + u.ru_stime, u.ru_maxrss]))
 """
@@ -130,8 +146,22 @@ def main() -> None:
                 cases[case].append(measure(run, cache))
                 wall, cpu, peak = cases[case][-1]
                 print(f"  repeat {i + 1} {case}: {wall:.2f} s, CPU {cpu:.2f} s, peak RSS {peak:.0f} MiB", flush=True)
+        for i in range(args.repeats):
+            cases.setdefault("watch, first frame", []).append(measure(run, Path(tmp) / f"frame{i}", FIRST_FRAME))
+            print(f"  repeat {i + 1} watch, first frame: {cases['watch, first frame'][-1][0]:.2f} s", flush=True)
+        from rkit.contract.rundir import RunDir
+        from rkit.readers.digest import keep_in_run
+        from rkit.readers.status import StatusFold
+
+        keep_in_run(RunDir(run), StatusFold)  # as the supervisor leaves it at an attempt's end
+        append(run, 1000, 100)
+        for i in range(args.repeats):
+            case = "cold, the supervisor's digest in the run"
+            cases.setdefault(case, []).append(measure(run, Path(tmp) / f"kept{i}"))
+            print(f"  repeat {i + 1} {case}: {cases[case][-1][0]:.2f} s", flush=True)
     for case, samples in cases.items():
-        print(f"rkit status --json, {case}: {summary(samples)}, {args.repeats} repeats")
+        label = case if case.startswith("watch") else f"rkit status --json, {case}"
+        print(f"{label}: {summary(samples)}, {args.repeats} repeats")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ cannot eat the machine); the hypothesis tests call the parser in-process with ge
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -259,3 +260,30 @@ def test_a_problem_quoting_a_private_key_names_its_key_and_shows_no_part_of_the_
         line = Problem("env.SOMETHING", f"{quoted} holds the control character '\\n'", 5).render("r.yaml")
         assert line.startswith("r.yaml:5: env.SOMETHING: '<redacted>") and "control character" in line, line
         assert "secretbody" not in line and "BEGIN" not in line, line
+
+
+def _json_loads_line(raw: bytes | str):
+    """parse_line as json.loads reads a line (its reference: parse_line calls json's scanner directly)."""
+    from rkit.contract.safeio import MAX_LINE_BYTES, clean
+
+    if len(raw) > MAX_LINE_BYTES or not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return clean(value) if ((b"\\u" in raw) if isinstance(raw, bytes) else ("\\u" in raw)) else value
+
+
+@fuzz
+@given(raw=st.one_of(st.binary(max_size=40), st.text(max_size=40),
+                     st.builds(lambda v, pad: (pad + json.dumps(v, default=str) + pad[::-1]).encode(
+                         "utf-8", "surrogatepass"),
+                               trees, st.sampled_from(["", " ", "\t", "\r", "\ufeff", "\x00", "\u2028"])),
+                     st.sampled_from([b"\xef\xbb\xbf{}", "\ufeff{}", b'{"a": NaN}', b"{} {}", b"\xed\xa0\x80",
+                                      b'"\xed\xa0\x80"', b"[1] ", b" \n", b"{\x00}", b'{"\\ud800": 1}'])))
+def test_a_json_line_reads_as_json_loads_reads_it(raw):
+    from rkit.contract.safeio import parse_line
+
+    got, want = parse_line(raw), _json_loads_line(raw)
+    assert json.dumps(got, sort_keys=True, allow_nan=True) == json.dumps(want, sort_keys=True, allow_nan=True), raw

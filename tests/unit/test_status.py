@@ -10,6 +10,7 @@ import pytest
 
 from rkit.contract.rundir import RunDir
 from rkit.readers import status as run_status
+from rkit.readers.watch import watch as live_view
 from rkit.run.lock import RunLock
 
 from .synthetic_run import T0, write_run
@@ -52,7 +53,7 @@ def test_watch_of_a_finished_run(run: RunDir):
 
     out = io.StringIO()
     sleeps: list[float] = []
-    state = run_status.watch(run, console=Console(file=out, width=160, force_terminal=False), sleep=sleeps.append,
+    state = live_view(run, console=Console(file=out, width=160, force_terminal=False), sleep=sleeps.append,
                              clock=lambda: T0 + 130)
     assert state.value == "finished" and sleeps == []
     text = out.getvalue()
@@ -76,7 +77,7 @@ def test_watch_redraws_until_the_run_ends(run: RunDir):
             lock.release()
 
     try:
-        state = run_status.watch(run, console=Console(file=io.StringIO(), width=120), sleep=sleep)
+        state = live_view(run, console=Console(file=io.StringIO(), width=120), sleep=sleep)
     finally:
         lock.release()
     assert state.value == "finished" and len(sleeps) == 2 and all(1.0 < x <= 2.0 for x in sleeps)
@@ -163,7 +164,7 @@ def test_watch_redraws_every_interval_from_the_start_of_each_read(run: RunDir, m
 
     sleeps: list[float] = []
     monkeypatch.setattr(run_status, "status", slow_status)
-    run_status.watch(run, console=Console(file=io.StringIO(), width=120), sleep=sleep, clock=lambda: now[0])
+    live_view(run, console=Console(file=io.StringIO(), width=120), sleep=sleep, clock=lambda: now[0])
     assert sleeps == [0.5, 0.5] and reads[2] - reads[1] == reads[1] - reads[0] == 2.0
 
 
@@ -183,7 +184,7 @@ def test_status_shows_the_top_stragglers_and_counts_the_rest(run: RunDir):
     assert shown == ["node39", "node38", "node37", "node36", "node35"]  # the slowest first
     assert "... and 36 more stragglers (--json lists them all)" in text
     out = io.StringIO()
-    run_status.watch(run, console=Console(file=out, width=160), sleep=lambda _: None)
+    live_view(run, console=Console(file=out, width=160), sleep=lambda _: None)
     frame = out.getvalue()
     assert frame.count("straggler  ") == 5 and "straggler  node39 (attempt 2): 2.39x" in frame
     assert "... and 36 more stragglers" in frame
@@ -234,3 +235,25 @@ def test_ls_and_status_count_the_steps_of_a_resumed_run_alike(run: RunDir):
     run.metrics_file(0).write_text(text[: text.rindex("\n") + 1] + json.dumps(behind) + "\n")  # after whole lines
     s, row = run_status.status(run), listing.row(run)
     assert s["step"] == row["step"] == furthest["step"] and s["steps_done"] == row["steps_done"]
+
+
+def test_watch_draws_its_first_frame_from_the_tails_before_the_history_is_read(run: RunDir, monkeypatch):
+    """A month-old run's history takes seconds to read cold: the first frame comes from the files' tails (the newest
+    step, the committed step, the last event), goodput and the nodes from the full read in the next frame."""
+    from rich.console import Console
+
+    from rkit.readers import watch as watch_view
+
+    first = watch_view.glance(run)
+    assert (first["step"], first["total_steps"], first["state"], first["goodput"]) == (19, 20, "finished", None)
+    assert first["last_event"]["event"] == "run.finished" and len(first["attempts"]) == len(run.attempt_numbers())
+    frame = io.StringIO()
+    Console(file=frame, width=160).print(watch_view.render_watch(first, T0 + 130))
+    assert "step 19, 20/20 done" in frame.getvalue() and "(reading the run's history" in frame.getvalue()
+    order: list = []
+    real_status, real_render = run_status.status, watch_view.render_watch
+    monkeypatch.setattr(run_status, "status", lambda *a, **k: order.append("status") or real_status(*a, **k))
+    monkeypatch.setattr(watch_view, "render_watch",
+                        lambda s, now: order.append(("frame", s["goodput"] is None)) or real_render(s, now))
+    live_view(run, console=Console(file=io.StringIO(), width=120), sleep=lambda s: None, clock=lambda: T0 + 130)
+    assert order[:3] == [("frame", True), "status", ("frame", False)]

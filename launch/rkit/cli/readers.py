@@ -24,7 +24,9 @@ def status(run_dir: Path, as_json: bool, watch: bool) -> None:
     if watch and as_json:
         raise RkitError("--watch and --json do not go together: --watch draws for a person, --json prints once.")
     if watch:
-        run_status.watch(RunDir(run_dir).require())
+        from rkit.readers.watch import watch as live_view
+
+        live_view(RunDir(run_dir).require())
         return
     summary = run_status.status(RunDir(run_dir))
     click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else run_status.render_status(summary))

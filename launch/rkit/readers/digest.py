@@ -48,6 +48,8 @@ CHUNK_BYTES = 8 << 20
 # tens of MB of columns on every frame.
 SAVE_AFTER_BYTES = 1 << 20
 COLUMNS = ("step", "attempt", "t", "loss", "loss_present", "step_time", "tokens", "recomputed")
+# the metrics fields the columns are made of (metrics.normalize reads only these)
+DIGEST_FIELDS = ("step", "attempt", "t", "loss", "step_time", "tokens_per_sec_per_device", "rank")
 
 
 def cache_root() -> Path:
@@ -154,10 +156,6 @@ class EventsDigest(_Digest):
         return self.fold
 
 
-def _float(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else np.nan
-
-
 @dataclass
 class MetricsDigest(_Digest):
     """One rank's metrics lines as columns, in file order, with `recomputed` (place_lines's: the rank trained the
@@ -179,21 +177,14 @@ class MetricsDigest(_Digest):
         return self
 
     def _append(self, raw: list[dict], rank: int) -> None:
-        rows = [line for line in map(metrics.normalize, raw) if line is not None]
-        if not rows:
-            return
-        self.legacy = self.legacy or any(
-            not isinstance(r["attempt"], int) or not isinstance(r["t"], (int, float)) or r["rank"] not in (None, rank)
-            for r in rows)
-        n = len(rows)
-        new = {"step": np.fromiter((r["step"] for r in rows), np.int64, n),
-               "attempt": np.fromiter((r["attempt"] if isinstance(r["attempt"], int) else -1 for r in rows),
-                                      np.int64, n),
-               "t": np.fromiter((_float(r["t"]) for r in rows), np.float64, n),
-               "loss": np.fromiter((_float(r["loss"]) for r in rows), np.float64, n),
-               "loss_present": np.fromiter((r["loss"] is not None for r in rows), np.bool_, n),
-               "step_time": np.fromiter((_float(r["step_time"]) for r in rows), np.float64, n),
-               "tokens": np.fromiter((_float(r["tokens_per_sec_per_device"]) for r in rows), np.float64, n)}
+        made = _clean_columns(raw, rank)
+        if made is None:  # some line needs metrics.normalize's rules one by one (a damaged or MaxText-raw line)
+            rows = [line for value in raw if (line := metrics.normalize(value, DIGEST_FIELDS)) is not None]
+            if not rows:
+                return
+            made = _columns(rows, rank)
+        new, legacy = made
+        self.legacy = self.legacy or legacy
         new["recomputed"] = _seen_before(self.columns["step"], new["step"])
         for attempt in np.unique(new["attempt"]).tolist():
             self.summaries.pop(attempt, None)
@@ -239,6 +230,69 @@ class MetricsDigest(_Digest):
             rows = np.flatnonzero(np.isin(attempt, dirty)) if len(dirty) < len(present) else np.arange(len(attempt))
             self.summaries.update(_summaries({k: v[rows] for k, v in self.columns.items()}, period))
         return {a: self.summaries[a] for a in present}
+
+
+# The float columns and their bounds (metrics.normalize's: finite, below 1e15; a time from 0 to 1e11 s)
+_FINITE = {"t": ("t", 1e11), "step_time": ("step_time", 1e15), "tokens": ("tokens_per_sec_per_device", 1e15)}
+_NUMBER = (float, int, type(None))
+
+
+def _columns(rows: list[dict[str, Any]], rank: int) -> tuple[dict[str, np.ndarray], bool]:
+    """Columns of normalized lines (each field of its type or None; a float column reads None as NaN), and whether
+    they are legacy lines (MetricsDigest.legacy)."""
+    legacy = any(not isinstance(r["attempt"], int) or not isinstance(r["t"], (int, float))
+                 or r["rank"] not in (None, rank) for r in rows)
+    return {"step": np.array([r["step"] for r in rows], np.int64),
+            "attempt": np.array([-1 if (a := r["attempt"]) is None else a for r in rows], np.int64),
+            "t": np.array([r["t"] for r in rows], np.float64),
+            "loss": np.array([r["loss"] for r in rows], np.float64),
+            "loss_present": np.array([r["loss"] is not None for r in rows], np.bool_),
+            "step_time": np.array([r["step_time"] for r in rows], np.float64),
+            "tokens": np.array([r["tokens_per_sec_per_device"] for r in rows], np.float64)}, legacy
+
+
+def _clean_columns(raw: list[dict], rank: int) -> tuple[dict[str, np.ndarray], bool] | None:
+    """_columns of the lines normalized, made a column at a time, for lines as rkit writes them: every step a whole
+    number from 0, every field of its type or absent, no MaxText key to translate. None when some line is not
+    (the caller then normalizes line by line): a fast path, never a different result."""
+    try:
+        return _clean_columns_of(raw, rank)
+    except (OverflowError, ValueError):  # an integer too large for a column
+        return None
+
+
+def _clean_columns_of(raw: list[dict], rank: int) -> tuple[dict[str, np.ndarray], bool] | None:
+    steps = [v.get("step") for v in raw]
+    if not steps or any(type(x) is not int for x in steps) or any(k in v for v in raw for k in metrics.MAXTEXT_KEYS):
+        return None
+    out = {"step": np.array(steps, np.int64)}
+    if out["step"].min() < 0 or out["step"].max() >= 1 << 62:
+        return None
+    attempts, ranks = [v.get("attempt") for v in raw], [v.get("rank") for v in raw]
+    if any(type(x) is not int and x is not None for x in (*attempts, *ranks)):
+        return None
+    if any(x is not None and abs(x) >= 1 << 62 for x in (*attempts, *ranks)):
+        return None
+    legacy = None in attempts or any(x is not None and x != rank for x in ranks)
+    out["attempt"] = np.array([-1 if x is None else x for x in attempts], np.int64)
+    for name, (key, bound) in _FINITE.items():
+        values = [v.get(key) for v in raw]
+        if any(type(x) not in _NUMBER for x in values):
+            return None
+        column = np.array(values, np.float64)
+        lower = 0.0 if key == "t" else -bound
+        column[~(np.isfinite(column) & (column >= lower) & (column < bound) & (column > -1e15))] = np.nan
+        out[name] = column
+    legacy = legacy or bool(np.isnan(out["t"]).any())
+    losses = [v.get("loss") for v in raw]
+    if any(type(x) not in _NUMBER for x in losses):
+        return None
+    loss = np.array(losses, np.float64)
+    infinite = np.isinf(loss)
+    out["loss_present"] = np.array([x is not None for x in losses], np.bool_) & ~infinite
+    loss[infinite] = np.nan
+    out["loss"] = loss
+    return out, legacy
 
 
 def _seen_before(old: np.ndarray, new: np.ndarray) -> np.ndarray:

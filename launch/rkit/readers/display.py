@@ -154,7 +154,8 @@ def render_watch(s: dict[str, Any], now: float) -> Any:
         age = row["telemetry_age_seconds"]
         nodes.add_row(row["node"], ",".join(map(str, row["ranks"])) or "-", num(row["last_step"], "{}"),
                       "-" if age is None else f"{age:.0f} s ago")
-    parts: list[Any] = [head, bar, nodes, Text(f"goodput  {render_goodput(s['goodput'])}")]
+    parts: list[Any] = [head, bar, nodes, Text("goodput  " + (render_goodput(s["goodput"]) if s["goodput"] else
+                                                             "(reading the run's history: in the next frame)"))]
     shown, left = top(s["stragglers"], "ratio")
     parts.extend(Text(f"straggler  {st['node']} (attempt {st['attempt']}): {num(st['ratio'], '{:.2f}')}x",
                       style="yellow") for st in shown)

@@ -1,11 +1,10 @@
-"""`rkit status`: what a run directory says about where the run is and why, read from its files alone;
-`rkit status --watch`: the same, live."""
+"""`rkit status`: what a run directory says about where the run is and why, read from its files alone (its live
+view, `--watch`: readers/watch.py)."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +14,7 @@ from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir, last_jsonl
 from rkit.readers import goodput, goodput_events
 from rkit.readers.digest import RunDigest
-from rkit.readers.display import TOP, more, num, progress, render_goodput, render_watch, resumed_from, steps_text, top
+from rkit.readers.display import TOP, more, num, progress, render_goodput, resumed_from, steps_text, top
 from rkit.run.policy import FINAL_EVENTS, RunState
 from rkit.run.stragglers import straggler_events
 from rkit.runtime.telemetry import metrics
@@ -423,32 +422,3 @@ def node_states(run: RunDir, attempt: dict[str, Any] | None, now: float,
         if sample and isinstance(sample.get("t"), (int, float)):
             row["telemetry_age_seconds"] = round(now - sample["t"], 1)
     return list(rows.values())
-
-
-def watch(run: RunDir, console: Any = None, interval: float = 2.0, clock: Callable[[], float] = time.time,
-          sleep: Callable[[float], None] = time.sleep) -> RunState:
-    """`rkit status --watch`: redraw the run's state every `interval` seconds, counted from the start of each
-    read (a read that takes 1.5 s is followed by 0.5 s of sleep), until it ends or Ctrl-C."""
-    from rich.console import Console
-    from rich.live import Live
-
-    digest = new_digest(run)
-    began = clock()
-    s = status(run, digest=digest)
-    console = console or Console()
-    with Live(render_watch(s, clock()), console=console, auto_refresh=False) as live:
-        try:
-            while True:
-                live.update(render_watch(s, clock()), refresh=True)
-                slurm_done = not s["slurm"] or s["slurm"]["state"] not in SLURM_ACTIVE
-                if RunState(s["state"]).is_final() and slurm_done:
-                    break
-                sleep(max(0.0, interval - (clock() - began)))
-                began = clock()
-                s = status(run, digest=digest)
-                digest.save()
-        except KeyboardInterrupt:
-            pass
-    if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's
-        console.line()
-    return RunState(s["state"])

@@ -65,32 +65,38 @@ class StepMetrics:
 
 
 INT_FIELDS = ("attempt", "rank", "device_memory_bytes", "device_memory_peak_bytes", "host_rss_bytes", "data_rows")
+# the fields that are finite numbers: times, rates
+FINITE_FIELDS = frozenset(FIELDS) - {*INT_FIELDS, "node", "data_fingerprint", "loss"}
 
 
-def normalize(value: dict) -> dict[str, Any] | None:
+def normalize(value: dict, fields: tuple[str, ...] = FIELDS) -> dict[str, Any] | None:
     """An rkit line as a dict of FIELDS (a MaxText raw line is translated); None if it has no step (or a step
     that is not a whole number from 0). A field of the wrong type (a damaged or foreign file) reads as absent;
-    the loss may be NaN (a run that diverged), times and rates must be finite."""
+    the loss may be NaN (a run that diverged), times and rates must be finite. `fields`: only these (a reader
+    that needs a few of a long file's fields; each reads as it does in the whole line)."""
     step = value.get("step")
     if isinstance(step, float) and math.isfinite(step) and step.is_integer():
         step = int(step)
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 1 << 62:
         return None
-    line = {key: value.get(key) for key in FIELDS}
+    line = {key: value.get(key) for key in fields}
     for raw, key in MAXTEXT_KEYS.items():
-        if line.get(key) is None and raw in value:
+        if key in line and line[key] is None and raw in value:
             line[key] = value[raw]
-    for key in FIELDS:
+    for key in fields:
         v = line[key]
         if v is None:
             continue
-        if key == "node":
+        if type(v) is float and key in FINITE_FIELDS:  # the common case, first
+            if not math.isfinite(v) or abs(v) >= 1e15 or (key == "t" and not 0 <= v < 1e11):
+                line[key] = None
+        elif key == "node":
             line[key] = v if isinstance(v, str) else None
         elif key == "data_fingerprint":
             line[key] = v if isinstance(v, str) and len(v) == 16 and all(c in HEX for c in v) else None
         elif key in INT_FIELDS:
             line[key] = v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 62 else None
-        elif not isinstance(v, (int, float)) or isinstance(v, bool):
+        elif not isinstance(v, (int, float)) or isinstance(v, bool) or not _in_float_range(v):
             line[key] = None
         elif key == "loss":
             line[key] = None if math.isinf(v) else float(v)
@@ -98,6 +104,15 @@ def normalize(value: dict) -> dict[str, Any] | None:
             line[key] = None
     line["step"] = step
     return line
+
+
+def _in_float_range(v: float) -> bool:
+    """An integer beyond a float's range is no time, rate or loss (math.isfinite would raise on it)."""
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
 
 
 def enrich(raw: dict, *, t: float, attempt: int, rank: int, node: str, peak: float | None,
