@@ -158,3 +158,41 @@ def test_a_cold_reader_starts_from_the_supervisors_digest_and_says_what_a_full_r
     assert comparable(run_status.status(run)) == comparable(full_read(run))
     outcome.chronicle(run, config, True)  # the final word: outcome.json too; the unsafe folder is left alone
     assert run.outcome_file.is_file() and sorted(run.digest_dir.iterdir())
+
+
+def test_clean_lines_make_the_columns_that_normalizing_each_line_makes():
+    """The digest reads rkit's own lines a column at a time (digest._clean_columns) and any chunk with a line it
+    cannot take that way line by line through metrics.normalize: the columns are the same either way."""
+    import numpy as np
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from rkit.readers import digest
+    from rkit.runtime.telemetry import metrics
+
+    number = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.integers(-10 ** 400, 10 ** 400),
+                       st.floats(), st.floats(-2e15, 2e15), st.floats(-10, 2e11), st.text(max_size=3))
+    clean = st.fixed_dictionaries({"step": st.integers(0, 10 ** 6), "attempt": st.integers(1, 5),
+                                   "rank": st.integers(0, 1), "t": st.floats(0, 1e10),
+                                   "loss": st.one_of(st.floats(), st.none()), "step_time": st.floats(0, 10),
+                                   "tokens_per_sec_per_device": st.floats(0, 1e6)})
+    odd = st.fixed_dictionaries({"step": st.one_of(st.integers(-3, 10 ** 6), st.floats(0, 10), st.none())}, optional={
+        key: number for key in ("attempt", "rank", "t", "loss", "step_time", "tokens_per_sec_per_device",
+                                "learning/loss")})
+    taken = []
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(raw=st.lists(st.one_of(clean, odd), min_size=1, max_size=6), rank=st.integers(0, 1))
+    def same(raw: list[dict], rank: int) -> None:
+        fast = digest._clean_columns(raw, rank)
+        if fast is None:
+            return
+        taken.append(len(raw))
+        rows = [line for v in raw if (line := metrics.normalize(v, digest.DIGEST_FIELDS)) is not None]
+        columns, legacy = digest._columns(rows, rank)
+        assert fast[1] == legacy and set(fast[0]) == set(columns)
+        for key, column in columns.items():
+            assert np.array_equal(fast[0][key], column, equal_nan=column.dtype.kind == "f"), (key, raw)
+
+    same()
+    assert len(taken) > 50  # the fast path was taken, not only refused
