@@ -115,6 +115,28 @@ def test_host_capture_has_the_promised_fields(tmp_path: Path):
     assert m["git"] == {"repository": False}
 
 
+def test_packages_read_from_the_folder_names_are_what_their_metadata_says(tmp_path: Path, monkeypatch):
+    """manifest.packages reads a wheel's name and version from its .dist-info folder's name (no METADATA parse):
+    on this environment the same as every METADATA file says; a folder whose name is not {name}-{version} (an
+    .egg-info, a version of other characters) is read from its metadata."""
+    import sys
+    from importlib import metadata
+
+    reference = {}
+    for dist in metadata.distributions():
+        if name := dist.metadata.get("Name"):
+            reference[manifest._normalize(name)] = dist.version
+    assert manifest.packages() == dict(sorted(reference.items())) and len(reference) > 50
+    site = tmp_path / "site"
+    for folder, name, version in (("Odd_Name-1.0_rc1.dist-info", "Odd.Name", "1.0-rc1"),
+                                  ("plain.egg-info", "Plain", "2.0"), ("Fast_Pkg-3.1+cpu.dist-info", "x", "x")):
+        (site / folder).mkdir(parents=True)
+        (site / folder / ("METADATA" if "dist-info" in folder else "PKG-INFO")).write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    monkeypatch.setattr(sys, "path", [str(site)])
+    assert manifest.packages() == {"fast-pkg": "3.1+cpu", "odd-name": "1.0-rc1", "plain": "2.0"}
+
+
 def test_git_state_of_a_real_repository(tmp_path: Path):
     import subprocess
 

@@ -43,9 +43,20 @@ def redact_env(environ: dict[str, str]) -> dict[str, str]:
     return redact({name: value for name, value in sorted(environ.items()) if name.startswith(ENV_PREFIXES)})
 
 
+# A wheel's installed metadata folder: {name}-{version}.dist-info (PyPA's recorded installs), the version of PEP 440's
+# characters. Read from the folder's name, a package costs a directory entry, not the parse of its METADATA file
+# (0.5 s for 170 packages, a third of `rkit run`'s own start); any other folder is read as before.
+DIST_INFO = re.compile(r"(.+?)-([A-Za-z0-9.+!]+)\.dist-info")
+
+
 def packages() -> dict[str, str]:
     found: dict[str, str] = {}
     for dist in metadata.distributions():
+        folder = getattr(dist, "_path", None)  # PathDistribution's; another finder's has none
+        named = DIST_INFO.fullmatch(folder.name) if isinstance(folder, Path) else None
+        if named:
+            found[_normalize(named.group(1))] = named.group(2)
+            continue
         name = dist.metadata.get("Name")
         if name:
             found[_normalize(name)] = dist.version
