@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -336,9 +337,12 @@ def test_object_files_load_or_refuse(good: Path, docs: dict, data):
 @fuzz
 @given(data=st.data())
 def test_status_and_listing_read_or_refuse(good: Path, docs: dict, data):
+    from rich.console import Console
+
     from rkit.contract.rundir import RunDir
     from rkit.readers import listing
     from rkit.readers.status import render_status, status
+    from rkit.readers.watch import glance, render_watch
 
     events = data.draw(mutated(docs["events"]), label="events")
     metrics = data.draw(mutated(docs["metrics"]), label="metrics")
@@ -349,6 +353,8 @@ def test_status_and_listing_read_or_refuse(good: Path, docs: dict, data):
         if (s := clean_or_refused(status, run)) is not None:
             render_status(s)
             json.dumps(s, sort_keys=True)
+        if (first := clean_or_refused(glance, run)) is not None:  # `status --watch`'s first frame, from the tails
+            Console(file=io.StringIO(), width=120).print(render_watch(first, time.time()))
         listing.render([listing.row(run)])
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rkit.contract.events import valid_event
 from rkit.contract.rundir import RunDir
 from rkit.contract.safeio import last_jsonl, tail_jsonl
 from rkit.readers import status as run_status
@@ -27,6 +28,7 @@ def glance(run: RunDir) -> dict[str, Any]:
     """The fields of status.status that render_watch draws, from the files' tails (goodput None: not read yet)."""
     config = run.config()
     last = last_jsonl(run.events_file)
+    last = last if last is not None and valid_event(last) else None  # a damaged last line is not shown
     kind = last.get("event") if last else None
     if run.is_locked():
         state, reason = RunState.RUNNING.value, "a supervisor is running this run"
