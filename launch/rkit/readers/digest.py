@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import pickle
 import stat
@@ -234,7 +235,13 @@ class MetricsDigest(_Digest):
 
 # The float columns and their bounds (metrics.normalize's: finite, below 1e15; a time from 0 to 1e11 s)
 _FINITE = {"t": ("t", 1e11), "step_time": ("step_time", 1e15), "tokens": ("tokens_per_sec_per_device", 1e15)}
-_NUMBER = (float, int, type(None))
+_NUMBER = {float, int, type(None)}
+_INTEGER = {int, type(None)}
+_MAXTEXT_KEYS = frozenset(metrics.MAXTEXT_KEYS)
+
+
+def _getter(key: str) -> Callable[[dict], Any]:
+    return operator.methodcaller("get", key)
 
 
 def _columns(rows: list[dict[str, Any]], rank: int) -> tuple[dict[str, np.ndarray], bool]:
@@ -262,34 +269,40 @@ def _clean_columns(raw: list[dict], rank: int) -> tuple[dict[str, np.ndarray], b
 
 
 def _clean_columns_of(raw: list[dict], rank: int) -> tuple[dict[str, np.ndarray], bool] | None:
-    steps = [v.get("step") for v in raw]
-    if not steps or any(type(x) is not int for x in steps) or any(k in v for v in raw for k in metrics.MAXTEXT_KEYS):
+    # Each check runs in C over a whole column (map, set, numpy): a Python loop per line costs as much as the parse.
+    steps = list(map(_getter("step"), raw))
+    if not steps or set(map(type, steps)) != {int} or not all(map(_MAXTEXT_KEYS.isdisjoint, raw)):
         return None
     out = {"step": np.array(steps, np.int64)}
     if out["step"].min() < 0 or out["step"].max() >= 1 << 62:
         return None
-    attempts, ranks = [v.get("attempt") for v in raw], [v.get("rank") for v in raw]
-    if any(type(x) is not int and x is not None for x in (*attempts, *ranks)):
+    attempts, ranks = list(map(_getter("attempt"), raw)), list(map(_getter("rank"), raw))
+    if not set(map(type, attempts)) | set(map(type, ranks)) <= _INTEGER:
         return None
-    if any(x is not None and abs(x) >= 1 << 62 for x in (*attempts, *ranks)):
+    attempt = np.array([-1 if x is None else x for x in attempts], np.int64) if None in attempts else \
+        np.array(attempts, np.int64)
+    ranked = np.array([-1 if x is None else x for x in ranks], np.int64) if None in ranks else np.array(ranks, np.int64)
+    if max(attempt.max(), ranked.max()) >= 1 << 62 or min(attempt.min(), ranked.min()) <= -(1 << 62):
         return None
-    legacy = None in attempts or any(x is not None and x != rank for x in ranks)
-    out["attempt"] = np.array([-1 if x is None else x for x in attempts], np.int64)
+    rank_named = np.array([x is not None for x in ranks], np.bool_) if None in ranks else np.ones(len(ranks), np.bool_)
+    legacy = None in attempts or bool((rank_named & (ranked != rank)).any())
+    out["attempt"] = attempt
     for name, (key, bound) in _FINITE.items():
-        values = [v.get(key) for v in raw]
-        if any(type(x) not in _NUMBER for x in values):
+        values = list(map(_getter(key), raw))
+        if not set(map(type, values)) <= _NUMBER:
             return None
         column = np.array(values, np.float64)
         lower = 0.0 if key == "t" else -bound
         column[~(np.isfinite(column) & (column >= lower) & (column < bound) & (column > -1e15))] = np.nan
         out[name] = column
     legacy = legacy or bool(np.isnan(out["t"]).any())
-    losses = [v.get("loss") for v in raw]
-    if any(type(x) not in _NUMBER for x in losses):
+    losses = list(map(_getter("loss"), raw))
+    if not set(map(type, losses)) <= _NUMBER:
         return None
     loss = np.array(losses, np.float64)
     infinite = np.isinf(loss)
-    out["loss_present"] = np.array([x is not None for x in losses], np.bool_) & ~infinite
+    present = np.array([x is not None for x in losses], np.bool_) if None in losses else np.ones(len(losses), np.bool_)
+    out["loss_present"] = present & ~infinite
     loss[infinite] = np.nan
     out["loss"] = loss
     return out, legacy
