@@ -136,6 +136,7 @@ bench: setup
 	$(PY) tests/benchmarks/hang_detection.py --repeats 3
 	$(PY) tests/benchmarks/telemetry_overhead.py --repeats 3
 	$(PY) tests/benchmarks/status_scale.py --repeats 3
+	$(PY) tests/benchmarks/fixed_cost.py --pairs 4
 	$(PY) tests/benchmarks/supervisor_scale.py --ranks 512 --seconds 60
 	$(PY) tests/benchmarks/long_run.py --repeats 3
 	$(PY) tests/benchmarks/liveness_sim.py --nodes 4096 --seconds 70
