@@ -38,8 +38,7 @@ def glance(run: RunDir) -> dict[str, Any]:
         state, reason = "reading", "reading the run's history"
     lines = [line for value in tail_jsonl(run.metrics_file(0), TAIL_BYTES)
              if (line := metrics.normalize(value)) is not None]
-    newest = {line["step"]: line for line in lines}  # the newest line of each step, as metrics.merge keeps
-    recent = [newest[step] for step in sorted(newest)[-20:]]
+    recent = list(metrics.merge(lines).values())[-20:]  # the newest line of each step, by step
     times = [s["step_time"] for s in recent if s["step_time"]]
     tokens = [s["tokens_per_sec_per_device"] for s in recent if s["tokens_per_sec_per_device"]]
     step = recent[-1]["step"] if recent else None

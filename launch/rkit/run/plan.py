@@ -164,7 +164,7 @@ def plan(recipe: Recipe, *, resume: bool, injections: list[Injection], image: An
         python = recipe.config.slurm.python or sys.executable
         batch = slurm.render_batch(run, recipe.config, python)
         step = StepPreview(
-            nodes_per_step=res.nodes, tasks_per_node=res.processes_per_node,
+            tasks_per_node=res.processes_per_node,
             container_launch=recipe.config.slurm.container_launch, sif=image.path if image else None, binds=binds,
             gpu_flags=tuple(image.gpu_flags) if image else (), python=python,
             image_python=image.python if image else "/opt/venv/bin/python", agent_path=bound_agent_path(run, image))

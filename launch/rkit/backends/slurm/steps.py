@@ -50,7 +50,6 @@ class StepRequest:
         return {"argv": self.argv, "nodes": self.nodes, "log": str(self.log.relative_to(root))}
 
 
-
 def step_argv(nodes: list[str], processes: int, tasks_per_node: int, attempt_dir: Path, attempt: int, *,
               container_launch: str, sif: str | None, binds: tuple[str, ...], gpu_flags: tuple[str, ...],
               python: str, image_python: str, trainer_args: list[str]) -> list[str]:
@@ -70,13 +69,13 @@ def step_argv(nodes: list[str], processes: int, tasks_per_node: int, attempt_dir
     return [*srun, "apptainer", "exec", "--no-home", *gpu_flags, *[a for path in binds for a in ("--bind", path)],
             sif, image_python, *agent]
 
+
 @dataclass
 class StepPreview:
     """The first attempt's job step as `rkit run --dry-run` shows it, before the job has nodes: the backend's
     `prepare` with the nodes, and the coordinator on the first of them, named by what they will be. The
     supervisor's SlurmStepBackend makes the same line (step_argv) once the allocation is known."""
 
-    nodes_per_step: int
     tasks_per_node: int
     container_launch: str
     sif: str | None
