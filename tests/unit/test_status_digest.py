@@ -161,13 +161,13 @@ def test_a_cold_reader_starts_from_the_supervisors_digest_and_says_what_a_full_r
 
 
 def test_clean_lines_make_the_columns_that_normalizing_each_line_makes():
-    """The digest reads rkit's own lines a column at a time (digest._clean_columns) and any chunk with a line it
-    cannot take that way line by line through metrics.normalize: the columns are the same either way."""
+    """The digest reads rkit's own lines a column at a time (metric_columns._clean_columns), and any chunk with a
+    line it cannot take that way line by line through metrics.normalize: the columns are the same either way."""
     import numpy as np
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from rkit.readers import digest
+    from rkit.readers import metric_columns
     from rkit.runtime.telemetry import metrics
 
     number = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.integers(-10 ** 400, 10 ** 400),
@@ -184,12 +184,12 @@ def test_clean_lines_make_the_columns_that_normalizing_each_line_makes():
     @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
     @given(raw=st.lists(st.one_of(clean, odd), min_size=1, max_size=6), rank=st.integers(0, 1))
     def same(raw: list[dict], rank: int) -> None:
-        fast = digest._clean_columns(raw, rank)
+        fast = metric_columns._clean_columns(raw, rank)
         if fast is None:
             return
         taken.append(len(raw))
-        rows = [line for v in raw if (line := metrics.normalize(v, digest.DIGEST_FIELDS)) is not None]
-        columns, legacy = digest._columns(rows, rank)
+        rows = [line for v in raw if (line := metrics.normalize(v, metric_columns.FIELDS)) is not None]
+        columns, legacy = metric_columns._normalized_columns(rows, rank)
         assert fast[1] == legacy and set(fast[0]) == set(columns)
         for key, column in columns.items():
             assert np.array_equal(fast[0][key], column, equal_nan=column.dtype.kind == "f"), (key, raw)
