@@ -6,8 +6,9 @@ LOCKS := containers/lock
 RECIPE ?= recipes/tiny-cpu.yaml
 RUN_ARGS ?= --resume
 PYTEST_ARGS ?=
-# Two pytest-xdist workers where there are two cores (tests/conftest.py says which tests go together), else one.
-TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
+# Three pytest-xdist workers where there are two cores or more, one per group of tests (tests/conftest.py says which
+# go together and why three: the Slurm group waits on Slurm half its time), else none.
+TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 3 || echo 0)
 
 FLAVOR ?= cpu
 MIRROR ?=

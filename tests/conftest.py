@@ -3,6 +3,7 @@ helpers (a free port, waiting for a condition)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -105,28 +106,36 @@ def wait_until(predicate, timeout: float, what: str, every: float = 0.5, *, aliv
 MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 
 
-# make test runs the suite in two pytest-xdist workers where the machine has two cores (-n 2 --dist loadscope):
-# the cpu image and everything that runs in it (its tests, the Slurm test bed's) in one, the rest (unit tests,
-# MaxText on the host, benchmarks) in the other, so that each group's session fixtures (the image, the cluster,
-# one clean run per recipe) are made once, and the Slurm tests' waits on Slurm overlap the host's training. The
-# report's and Prometheus' modules (one run of their own each) go with the image group. Measured in a fresh-clone
-# run beside a CPU hog, with the cpu image squashed at zstd level 3 (a 310 s build there): the image group's tests
-# summed 2,044 s and the host group's 1,497 s with the damaged run directories' (79 s) and the base image's two
-# builds (198 s) in the image group, so those two are back in the host group. (xdist's own --dist loadgroup cannot
-# do it under pytest 9: it renames items through Item._nodeid, which pytest 9 no longer reads; the scheduler below
-# groups by module instead.)
-IMAGE_GROUP_MODULES = ("test_images.py", "test_slurm.py", "test_slurm_liveness.py", "test_report.py",
-                       "test_prometheus.py")
+# make test runs the suite in three pytest-xdist workers where the machine has two cores or more (-n 3 --dist
+# loadscope), each taking one group of modules whole, so that each group's session fixtures (the image, the
+# cluster, one clean run per recipe) are made once:
+# - "slurm": the Slurm test bed's tests, which spend about half their time waiting on Slurm (a 156 s USR1 requeue
+#   test kept the machine's 2 cores 58 % busy, a 174 s batch-host crash 44 %), so a third worker fills those
+#   waits with the other groups' computing; real data's MaxText runs come first in it, while the image group
+#   builds the cpu image the Slurm tests need (cpu_image below: one build, the other worker waits for it);
+# - "image": the cpu image's build and what runs in it, the base image's two builds, the report's and
+#   Prometheus' runs, the speed gate's (quiet) runs, and the unit modules that compute most;
+# - "host": MaxText on the host (the fault tests) and the rest of the unit tests.
+# Measured beside a CPU hog in a fresh clone with two workers (image + Slurm in one, 3,400 s; host 3,950 s), the
+# Slurm modules' 2,420 s held a worker that was idle half the time. (xdist's own --dist loadgroup cannot do it under
+# pytest 9: it renames items through Item._nodeid, which pytest 9 no longer reads; the scheduler below groups by
+# module instead.)
+XDIST_GROUPS = {
+    "slurm": ("test_real_data.py", "test_slurm.py", "test_slurm_liveness.py"),
+    "image": ("test_images.py", "test_image_bytes.py", "test_report.py", "test_prometheus.py", "test_bench.py",
+              "test_damaged_runs.py", "test_container_definitions.py"),
+}
 
 
 def xdist_scope(nodeid: str) -> str:
-    return "image" if nodeid.split("::")[0].rsplit("/", 1)[-1] in IMAGE_GROUP_MODULES else "host"
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return next((group for group, modules in XDIST_GROUPS.items() if module in modules), "host")
 
 
 if importlib.util.find_spec("xdist") is not None:
     @pytest.hookimpl(tryfirst=True)
     def pytest_xdist_make_scheduler(config, log):
-        """--dist loadscope with two scopes (xdist_scope): each worker takes one whole."""
+        """--dist loadscope with three scopes (xdist_scope): each worker takes one whole."""
         if config.getvalue("dist") != "loadscope":
             return None
         from xdist.scheduler import LoadScopeScheduling
@@ -139,7 +148,7 @@ if importlib.util.find_spec("xdist") is not None:
 
 
 # The tests that measure speed (marked `quiet`: the bench gate's) must not share the machine's cores with the
-# other xdist worker's image builds and training: a burst of that load during one side's rounds makes an identical
+# other xdist workers' image builds and training: a burst of that load during one side's rounds makes an identical
 # candidate "slower". Each test holds a lock on the whole of its protocol (setup, call, teardown, so the session
 # fixtures built in its setup too): shared for every test, exclusive for a quiet one, which therefore starts when
 # the other worker's current test ends and keeps the other worker waiting until it is done. A turnstile taken
@@ -227,11 +236,31 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+@contextlib.contextmanager
+def image_build_lock():
+    """Held while a test builds an image the other xdist workers use too (the cpu image, the one without rkit):
+    the first worker builds it, the others wait and then find it in the cache. (rkit's own image cache does not
+    lock: two concurrent builds of one key both build, and the last one's file stays.)"""
+    import fcntl
+
+    locks = os.environ.get(LOCKS)
+    if not locks:
+        yield
+        return
+    with open(Path(locks) / "image-build", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def cpu_image() -> Path:
     """The cpu image, built once per test session from containers/cpu.def (then cached by key)."""
     require_apptainer()
-    done = rkit("image", "build", "cpu", *MIRROR, timeout=3600, check=0)
+    with image_build_lock():
+        done = rkit("image", "build", "cpu", *MIRROR, timeout=3600, check=0)
     return Path(done.stdout.strip().splitlines()[-1])
 
 
@@ -252,11 +281,18 @@ From: {base}
 
 @pytest.fixture(scope="session")
 def image_without_rkit(cpu_image: Path) -> Path:
-    from rkit.images.store import apptainer, sha256_file
+    from rkit.images.store import sha256_file
 
     target = cpu_image.parent / f"test-without-rkit-{sha256_file(cpu_image).split(':')[1][:16]}.sif"
-    if target.is_file():
-        return target
+    with image_build_lock():
+        if not target.is_file():
+            _build_without_rkit(cpu_image, target)
+    return target
+
+
+def _build_without_rkit(cpu_image: Path, target: Path) -> None:
+    from rkit.images.store import apptainer
+
     with tempfile.TemporaryDirectory(prefix="rkit-test-image-", dir=cpu_image.parent) as tmp:
         definition = Path(tmp) / "without-rkit.def"
         definition.write_text(WITHOUT_RKIT.format(base=cpu_image))
@@ -267,7 +303,6 @@ def image_without_rkit(cpu_image: Path) -> Path:
                               timeout=1800, check=False)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         os.replace(partial, target)
-    return target
 
 
 # The suite's budget (issue 41): `make test` on a fresh clone within 30 minutes on 2 cores. The summary at the end
