@@ -32,8 +32,13 @@ $(VENV)/.stamp-dev: $(VENV)/.stamp-cpu $(LOCKS)/dev.txt $(LOCKS)/docs.txt
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCKS)/docs.txt
 	@touch $@
 
+# rkit's own modules as bytecode, as pip compiles what it installs (an editable install compiles nothing): where
+# PYTHONDONTWRITEBYTECODE is set, every rkit process (each CLI call, supervisor, host rank) compiled its modules from
+# source otherwise, 0.2-0.3 s of CPU each (`rkit status` 0.85 -> 0.50 s). compileall skips what is up to date.
 setup: $(VENV)/.stamp-cpu
+	@$(PY) -m compileall -q launch
 setup-dev: $(VENV)/.stamp-dev
+	@$(PY) -m compileall -q launch
 
 run: setup
 	$(VENV)/bin/rkit run $(RECIPE) $(RUN_ARGS)
