@@ -47,17 +47,14 @@ def status(cluster, run: RunDir) -> dict:
 
 
 def wait_finished(cluster, run: RunDir, timeout: float = 900) -> dict:
-    """Until the run is in a final state and its job has left the queue. A requeued job waits out Slurm's
-    cred_expire hold (30 s on the test bed): releasing it sooner (StartTime=now) can kill it as
-    "non-startable: Job credential revoked"."""
+    """Until the run is in a final state and its job has left the queue; returns `rkit status --json`. A requeued
+    job waits out Slurm's cred_expire hold (30 s on the test bed): releasing it sooner (StartTime=now) can kill it
+    as "non-startable: Job credential revoked". The wait reads the events file and squeue, and calls the CLI once
+    at the end: a CLI call every 2 s cost a third of a core through every Slurm test's waits."""
     job = job_of(run)
-
-    def done():
-        queue = squeue(cluster, job)
-        s = status(cluster, run)
-        return s if s["state"] in ("finished", "gave up") and not queue else None
-
-    return wait_until(done, timeout, f"run {run.name} to end", every=2)
+    wait_until(lambda: final_event(run) and not squeue(cluster, job), timeout, f"run {run.name} to end", every=2)
+    return wait_until(lambda: (s := status(cluster, run))["state"] in ("finished", "gave up") and s, 60,
+                      f"rkit status of {run.name} to say it ended", every=1)
 
 
 def final_loss(run: RunDir) -> float:
