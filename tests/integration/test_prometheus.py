@@ -130,10 +130,15 @@ def test_exporter_and_jax_coordinator_listen_on_loopback_only(live: LiveRun):
                       "the ranks' pids", every=0.25)
     rank0 = psutil.Process(int(pids["0"]))
     coordinator = int(rank0.environ()["RKIT_COORDINATOR"].rsplit(":", 1)[1])
-    listening = [c.laddr for c in rank0.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+    def listening() -> list:  # rank 0 starts the service after its imports, well after the node's exporter
+        return [c.laddr for c in rank0.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == coordinator]
+
+    bound = [ipaddress.ip_address(a.ip) for a in wait_until(listening, 300, "rank 0's coordination service",
+                                                            alive=live.training)]
     assert live.training.poll() is None, "the run ended before its exporter could be checked"
-    bound = [ipaddress.ip_address(a.ip) for a in listening if a.port == coordinator]
-    assert bound and all((getattr(ip, "ipv4_mapped", None) or ip).is_loopback for ip in bound), listening
+    assert all((getattr(ip, "ipv4_mapped", None) or ip).is_loopback for ip in bound), bound
     with urllib.request.urlopen(f"http://127.0.0.1:{live.exporter['port']}/metrics", timeout=10) as response:
         assert response.status == 200  # it is up on loopback...
     for address in addresses:
