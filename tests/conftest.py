@@ -111,25 +111,25 @@ MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 # cluster, one clean run per recipe) are made once:
 # - "slurm": the Slurm test bed's tests, which spend about half their time waiting on Slurm (a 156 s USR1 requeue
 #   test kept the machine's 2 cores 58 % busy, a 174 s batch-host crash 44 %), so a third worker fills those
-#   waits with the other groups' computing; real data's MaxText runs come last in it (they need no image and no
-#   Slurm: at the end they use the cores the other groups have left). The Slurm tests need the cpu image, which the
-#   image group builds first (cpu_image below: one build, the other worker waits for it);
-# - "image": the cpu image's build and what runs in it, the base image's two builds, the report's and
-#   Prometheus' runs, the speed gate's (quiet) runs, and the unit modules that compute most;
+#   waits with the other groups' computing. They need the cpu image, which the image group builds first
+#   (cpu_image below: one build, the other worker waits for it);
+# - "image": the cpu image's build and what runs in it, the base image's two builds, the report's, Prometheus' and
+#   real data's runs, the speed gate's (quiet) runs, and the unit modules that compute most;
 # - "host": MaxText on the host (the fault tests) and the rest of the unit tests.
 # Measured beside a CPU hog in a fresh clone with two workers (image + Slurm in one, 3,400 s; host 3,950 s), the
-# Slurm modules' 2,420 s held a worker that was idle half the time. (xdist's own --dist loadgroup cannot do it under
+# Slurm modules' 2,420 s held a worker that was idle half the time. With real data in the Slurm group (quiet, three
+# workers) the image group reached its quiet tests 1,420 s in, which then held the Slurm group (half done) back:
+# real data went to the image group, whose other work ends first. (xdist's own --dist loadgroup cannot do it under
 # pytest 9: it renames items through Item._nodeid, which pytest 9 no longer reads; the scheduler below groups by
 # module instead.)
 XDIST_GROUPS = {
-    "slurm": ("test_real_data.py", "test_slurm.py", "test_slurm_liveness.py"),
-    "image": ("test_images.py", "test_image_bytes.py", "test_report.py", "test_prometheus.py", "test_bench.py",
-              "test_damaged_runs.py", "test_container_definitions.py"),
+    "slurm": ("test_slurm.py", "test_slurm_liveness.py"),
+    "image": ("test_images.py", "test_image_bytes.py", "test_report.py", "test_prometheus.py", "test_real_data.py",
+              "test_bench.py", "test_damaged_runs.py", "test_container_definitions.py"),
 }
 
 
 CPU_IMAGE_BUILDER = "test_images.py"  # its first test's set-up builds the cpu image (the cpu_image fixture)
-AFTER_THE_SLURM_TESTS = ("test_real_data.py",)  # in the Slurm group: computing that needs no image and no Slurm
 
 
 def xdist_scope(nodeid: str) -> str:
@@ -231,16 +231,14 @@ def pytest_collection_modifyitems(config, items):
     """verify_image tests (a second full cpu image build, 4-40 minutes) run only when asked for by -m. The module
     whose first test builds the cpu image runs first in its group, so that the Slurm group (which needs that image)
     waits for the least (measured with the base image's two builds first: the cpu image was there 986 s into the
-    suite, its build alone took 515 s), and real data's host runs come after the Slurm tests in their group: at the
-    end of the suite, when the other groups are done, they compute on cores nobody else wants. The modules that
-    hold a `quiet` test run last (in their order): by then the other workers are in their shorter tests, not in the
-    image build, so the quiet test waits for little, and its module's fixtures stay together."""
+    suite, its build alone took 515 s). The modules that hold a `quiet` test run last (in their order): by then
+    the other workers are in their shorter tests, not in the image build, so the quiet test waits for little, and
+    its module's fixtures stay together."""
     quiet_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("quiet") is not None}
 
-    def order(item) -> tuple[bool, bool, bool]:
+    def order(item) -> tuple[bool, bool]:
         module = item.nodeid.split("::")[0]
-        name = module.rsplit("/", 1)[-1]
-        return module in quiet_modules, name in AFTER_THE_SLURM_TESTS, name != CPU_IMAGE_BUILDER
+        return module in quiet_modules, module.rsplit("/", 1)[-1] != CPU_IMAGE_BUILDER
 
     items.sort(key=order)  # stable: the order otherwise kept
     if "verify_image" in (config.getoption("markexpr") or ""):
