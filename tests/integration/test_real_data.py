@@ -102,11 +102,14 @@ def test_a_clean_run_on_real_data_records_each_steps_batch(grain_baseline: RunDi
 
 def test_a_kill_a_hang_and_a_preemption_each_resume_with_the_data_position(data_workspace: Path,
                                                                             grain_baseline: RunDir):
-    """Budget: three faults folded into one run (four cold starts); the hang waits out its timeout."""
+    """Budget: three faults folded into one run (four cold starts); the hang waits out its timeout (10 s, or the
+    120 s start-up allowance when it stops the resumed attempt's first step)."""
     # Rank 1 killed at step 13 (resumes from 10), a preemption at 16 (every rank saves at the next sync point, a
-    # step or two later, and the next attempt resumes from that save), rank 0 stopped at 24 (found after the 10 s
-    # timeout, resumes from 20).
+    # few steps later, and the next attempt resumes from that save), rank 0 stopped at 24 (found after the 10 s
+    # timeout, resumes from 20). When the save lands at 23 (a quiet machine), step 24 is the resumed attempt's
+    # first: the start-up allowance applies there (600 s by default, past this run's own 600 s), so it is 120 s.
     run = run_grain(data_workspace, "grain-faults", "-o", "resilience.hang_timeout=10",
+                    "-o", "resilience.hang_startup_seconds=120",
                     "--inject", "kill:rank=1,step=13", "--inject", "sigterm:step=16",
                     "--inject", "hang:rank=0,step=24")
     ended = [e["cause"] for e in events(run, "attempt.ended")]
