@@ -36,6 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 
 def test_two_nodes_in_containers_finish(cluster, clean_run: RunDir):
+    """Budget: the first test of the Slurm group; its set-up waits for the cpu image (the image group builds it)
+    and makes the shared clean run."""
     s = status(cluster, clean_run)
     assert s["state"] == "finished" and [a["cause"] for a in s["attempts"]] == ["completed"]
     assert s["slurm"]["job_id"] == job_of(clean_run)
