@@ -37,8 +37,7 @@ $(VENV)/.stamp-dev: $(VENV)/.stamp-cpu $(LOCKS)/dev.txt $(LOCKS)/docs.txt
 # source otherwise, 0.2-0.3 s of CPU each (`rkit status` 0.85 -> 0.50 s). compileall skips what is up to date.
 setup: $(VENV)/.stamp-cpu
 	@$(PY) -m compileall -q launch
-setup-dev: $(VENV)/.stamp-dev
-	@$(PY) -m compileall -q launch
+setup-dev: $(VENV)/.stamp-dev setup
 
 run: setup
 	$(VENV)/bin/rkit run $(RECIPE) $(RUN_ARGS)

@@ -132,8 +132,12 @@ XDIST_GROUPS = {
 CPU_IMAGE_BUILDER = "test_images.py"  # its first test's set-up builds the cpu image (the cpu_image fixture)
 
 
+def module_name(nodeid: str) -> str:
+    return nodeid.split("::")[0].rsplit("/", 1)[-1]
+
+
 def xdist_scope(nodeid: str) -> str:
-    module = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    module = module_name(nodeid)
     return next((group for group, modules in XDIST_GROUPS.items() if module in modules), "host")
 
 
@@ -145,20 +149,20 @@ if importlib.util.find_spec("xdist") is not None:
             return None
         from xdist.scheduler import LoadScopeScheduling
 
-        class TwoGroups(LoadScopeScheduling):
+        class ByGroup(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
                 return xdist_scope(nodeid)
 
-        return TwoGroups(config, log)
+        return ByGroup(config, log)
 
 
 # The tests that measure speed (marked `quiet`: the bench gate's) must not share the machine's cores with the
 # other xdist workers' image builds and training: a burst of that load during one side's rounds makes an identical
 # candidate "slower". Each test holds a lock on the whole of its protocol (setup, call, teardown, so the session
 # fixtures built in its setup too): shared for every test, exclusive for a quiet one, which therefore starts when
-# the other worker's current test ends and keeps the other worker waiting until it is done. A turnstile taken
-# before either gives the quiet test priority over the other worker's next tests.
-LOCKS = "RKIT_TEST_LOCKS"  # the folder of the two lock files: made by the controller, inherited by the workers
+# the other workers' current tests end and keeps the other workers waiting until it is done. A turnstile taken
+# before either gives the quiet test priority over the other workers' next tests.
+LOCKS = "RKIT_TEST_LOCKS"  # the folder of the lock files: made by the controller, inherited by the workers
 
 
 def pytest_configure(config):
@@ -237,8 +241,7 @@ def pytest_collection_modifyitems(config, items):
     quiet_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("quiet") is not None}
 
     def order(item) -> tuple[bool, bool]:
-        module = item.nodeid.split("::")[0]
-        return module in quiet_modules, module.rsplit("/", 1)[-1] != CPU_IMAGE_BUILDER
+        return item.nodeid.split("::")[0] in quiet_modules, module_name(item.nodeid) != CPU_IMAGE_BUILDER
 
     items.sort(key=order)  # stable: the order otherwise kept
     if "verify_image" in (config.getoption("markexpr") or ""):
@@ -256,16 +259,9 @@ def image_build_lock():
     lock: two concurrent builds of one key both build, and the last one's file stays.)"""
     import fcntl
 
-    locks = os.environ.get(LOCKS)
-    if not locks:
-        yield
-        return
-    with open(Path(locks) / "image-build", "a") as lock:
+    with open(_lock_path("image-build"), "a") as lock:  # closing the file releases the lock
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,6 @@ def cache_every_compilation(environ: dict[str, str] | os._Environ) -> bool:
     return True
 
 
-
 def drop_maxtext_settings_from_env(environ: dict[str, str] | os._Environ) -> list[str]:
     """MaxText takes M_<KEY> variables as settings, outside the recipe and its config hash (and an M_ variable
     for a key rkit owns would undo it). The recipe's trainer.overrides is the one way in: drop them all."""
