@@ -177,9 +177,17 @@ def test_the_node_local_tier_restores_the_data_position_with_its_step(data_works
     assert 10 < resumed["resume_from_step"] <= restored["step"]
     position = resumed["data_position"]
     assert [p["counter"] for _, p in sorted(position.items())] == [resumed["resume_from_step"] + 1] * 2
-    # the local tier's data-parallel mesh sums in another order than the baseline's fsdp one: 2 of 30 losses
-    # differed by one float32 ulp (9.7e-05 at a loss of 10.7); the data is the same at every step
-    same_outcome(grain_baseline, run, tolerance=0.001)
+    # The steps attempt 2 trains again (resumed from 16: the kill comes after step 18, before 18's async save is
+    # committed on a busy machine) lose exactly what attempt 1 lost: the local tier restored the state bit-exact.
+    for rank in (0, 1):
+        by_attempt = {a: {line["step"]: line for line in lines(run, rank) if line["attempt"] == a} for a in (1, 2)}
+        for step in sorted(set(by_attempt[1]) & set(by_attempt[2])):
+            first, second = by_attempt[1][step], by_attempt[2][step]
+            assert (first["data_fingerprint"], first["loss"]) == (second["data_fingerprint"], second["loss"]), step
+    # Against the baseline, the data is the same at every step; the loss is not bit-exact: the local tier's
+    # data-parallel mesh sums in another order than the baseline's fsdp one, from step 10 of attempt 1 on, before
+    # any fault (max |A-B| 0.00155 over 30 steps, the same in every run), so the shrink's tolerance applies.
+    same_outcome(grain_baseline, run, tolerance=SHRINK_TOLERANCE)
     kept = sorted(int(p.name) for p in (run.checkpoints / "data-position").iterdir())
     persistent = sorted(int(p.name) for p in run.orbax_dir.iterdir() if p.name.isdigit())
     assert all(step in persistent or step >= 24 for step in kept), (kept, persistent)  # the rest pruned
