@@ -288,22 +288,6 @@ def test_maxtext_settings_from_the_environment_are_dropped():
     assert env == {"MAXTEXT_HOME": "/x", "XLA_FLAGS": "--y", "HOME": "/root"}
 
 
-def test_every_compilation_is_cached_unless_the_user_set_jaxs_threshold():
-    import jax
-
-    from rkit.runtime import agent
-
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    try:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-        assert not agent.cache_every_compilation({agent.CACHE_MIN_COMPILE_ENV: "2.5"})
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0  # the user's, as JAX read it
-        assert agent.cache_every_compilation({})
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
 @pytest.mark.parametrize("spec,says", [
     ("exit:rank=0,step=5,code=300", "code 300 is not an exit code of a failure; give 1..255"),
     ("exit:rank=0,step=5,code=0", "code 0 is not an exit code of a failure"),

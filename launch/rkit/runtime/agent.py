@@ -26,6 +26,7 @@ from rkit.contract.events import EV
 from rkit.contract.heartbeat import JAX_HEARTBEAT_ENV
 from rkit.contract.rundir import UMASK_ENV, RunDir, open_for_writing, write_json_atomic
 from rkit.runtime import determinism, devices
+from rkit.runtime.compilecache import cache_every_compilation, cache_every_process
 from rkit.runtime.inject import FIRED_EVENT, Injection
 from rkit.runtime.telemetry import metrics
 from rkit.runtime.telemetry.metrics import MetricsTail
@@ -78,21 +79,6 @@ def init_distributed(ctx: AgentContext) -> None:
 
 
 MAXTEXT_ENV_PREFIX = "M_"  # MaxText's pyconfig reads M_<KEY> as the setting <key>
-CACHE_MIN_COMPILE_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
-
-
-def cache_every_compilation(environ: dict[str, str] | os._Environ) -> bool:
-    """JAX's persistent compile cache (MaxText's jax_cache_dir, which rkit sets) keeps only the compilations that
-    took a second or more (jax_persistent_cache_min_compile_time_secs=1.0); every restart compiles the rest again.
-    rkit keeps them all, so that an attempt after a fault compiles nothing the run compiled before (tiny model on
-    2 CPU processes: its restart's compile part 8.3 -> 6.8 s, docs/benchmarks.md "Restart latency"). A user's own
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is left as it is. Returns whether rkit set it."""
-    if environ.get(CACHE_MIN_COMPILE_ENV):
-        return False
-    import jax
-
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return True
 
 
 def drop_maxtext_settings_from_env(environ: dict[str, str] | os._Environ) -> list[str]:
@@ -401,6 +387,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
 
     after_initialize(after_set_up)
     cache_every_compilation(os.environ)
+    cache_every_process()
 
     argv = ["maxtext", resolve_base_config(ctx.base_config), *overrides,
             *rank_overrides(ctx.run, ctx.attempt, ctx.rank, None if tier is None else tier.root)]
