@@ -281,9 +281,16 @@ def _json_loads_line(raw: bytes | str):
                          "utf-8", "surrogatepass"),
                                trees, st.sampled_from(["", " ", "\t", "\r", "\ufeff", "\x00", "\u2028"])),
                      st.sampled_from([b"\xef\xbb\xbf{}", "\ufeff{}", b'{"a": NaN}', b"{} {}", b"\xed\xa0\x80",
-                                      b'"\xed\xa0\x80"', b"[1] ", b" \n", b"{\x00}", b'{"\\ud800": 1}'])))
+                                      b'"\xed\xa0\x80"', b"[1] ", b" \n", b"{\x00}", b'{"\\ud800": 1}',
+                                      # where msgspec's decoder (safeio's first) and json's could part: numbers
+                                      # beyond int64 and beyond a float, duplicate keys, deep nesting
+                                      b'{"a": 123456789012345678901234567890}', b'{"a": -9223372036854775809}',
+                                      b'{"a": 1e400}', b'{"a": 5e-400}', b'{"a": 1, "a": 2}',
+                                      b'{"a": ' * 2000 + b"1" + b"}" * 2000, b'{"a": -0.0, "b": 1E5}'])))
 def test_a_json_line_reads_as_json_loads_reads_it(raw):
+    from rkit.contract import safeio
     from rkit.contract.safeio import parse_line
 
+    assert safeio._FAST is not None  # the cpu lock's msgspec: the fast path is the one under test here
     got, want = parse_line(raw), _json_loads_line(raw)
     assert json.dumps(got, sort_keys=True, allow_nan=True) == json.dumps(want, sort_keys=True, allow_nan=True), raw

@@ -8,7 +8,10 @@ RecursionError; lone surrogates (valid JSON escapes, invalid UTF-8) become U+FFF
 fails to write them. What cannot be read is an RkitError naming the file (exit 2); a reader that must go on
 (`rkit ls` of many runs, `status` of a run with one bad line) catches it or skips the record.
 
-Standard library only: the agent reads through it too (image side)."""
+The standard library is enough: the agent reads through it too (image side), in images that may lack msgspec.
+Where msgspec is installed (the cpu lock), a line is parsed by its decoder first, 4-5x faster than json's (a long
+run's first `rkit status` is mostly this); a line it refuses (NaN, a number beyond a float, a lone surrogate, a
+byte order mark, anything damaged) goes through json as before, so the result is json's for every line."""
 
 from __future__ import annotations
 
@@ -112,11 +115,28 @@ def load_json(path: Path | str, what: str = "JSON file", limit: int = MAX_OBJECT
 _SCAN = json.JSONDecoder().scan_once
 _JSON_SPACE = " \t\n\r"
 
+try:  # what msgspec decodes, it decodes as json does (integers of any size exact, the last duplicate key kept)
+    import msgspec as _msgspec
+
+    _FAST = _msgspec.json.Decoder().decode
+    _FAST_REFUSED: tuple[type[BaseException], ...] = (_msgspec.DecodeError, ValueError, RecursionError)
+except ImportError:  # an image without it: json alone
+    _FAST = None
+    _FAST_REFUSED = ()
+
 
 def parse_line(raw: bytes | str) -> Any:
     """One JSON-lines record, or None where it is not one (too long, cut, nested too deep, not JSON)."""
     if len(raw) > MAX_LINE_BYTES:
         return None
+    if _FAST is not None:
+        try:
+            value = _FAST(raw)
+        except _FAST_REFUSED:
+            pass  # json's verdict, below
+        else:
+            has_escape = (b"\\u" in raw) if isinstance(raw, bytes) else ("\\u" in raw)
+            return clean(value) if has_escape else value
     text = None
     if isinstance(raw, str):
         text = raw
