@@ -13,7 +13,7 @@ TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 3 || echo 0)
 FLAVOR ?= cpu
 MIRROR ?=
 
-.PHONY: lock-python lock-debian setup setup-dev run data test test-image test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table docs docs-reference
+.PHONY: lock-python lock-debian setup setup-dev run data test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table docs docs-reference
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-python
@@ -64,7 +64,7 @@ prometheus:
 # It ends with its wall time since make started (set-up included; the suite's budget is 30 minutes on 2 cores) and
 # pytest's summary of the ten slowest tests (tests/conftest.py).
 MAKE_STARTED := $(shell date +%s)
-test: setup-dev apptainer prometheus slurm-testbed test-image
+test: setup-dev apptainer prometheus slurm-testbed
 	$(VENV)/bin/ruff check launch tests
 	@started=$$(date +%s); $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS); rc=$$?; \
 	  now=$$(date +%s); echo "make test: $$((now - $(MAKE_STARTED))) s in all, set-up $$((started - $(MAKE_STARTED))) s, pytest $$((now - started)) s (exit $$rc)"; exit $$rc
@@ -87,18 +87,6 @@ docs-reference: setup-dev
 
 module-table:
 	python3 ci/module_table.py > docs/modules.md
-
-# The cpu image the tests run in (tests/conftest.py's cpu_image: the plain Debian mirror, TEST_MIRROR), built before
-# pytest starts: built by the first image test instead, it held the Slurm tests (which all need it) 325 s at the
-# suite's start while the other workers' training took half the cores from the build (issue 41). Cached by key: an
-# unchanged image returns at once. Without apptainer it says so, and the image tests skip or fail as they would.
-TEST_MIRROR := http://deb.debian.org/debian
-test-image: setup-dev apptainer
-	@if command -v apptainer >/dev/null; then \
-	  echo "rkit: building the tests' cpu image (cached by key; the first build takes minutes)"; \
-	  $(PY) -m rkit.cli image build cpu --build-arg MIRROR=$(TEST_MIRROR) >/dev/null || \
-	  echo "rkit: warning: the tests' cpu image did not build here; the first image test builds it and says why"; \
-	fi
 
 # Only the Slurm launcher's tests.
 test-slurm: setup-dev apptainer slurm-testbed

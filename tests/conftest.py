@@ -102,11 +102,8 @@ def wait_until(predicate, timeout: float, what: str, every: float = 0.5, *, aliv
     raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f"\n{log()}" if log else ""))
 
 
-# The image tests use the plain Debian mirror (the one reachable here), not the dated snapshot default: the
-# Makefile's TEST_MIRROR, with which `make test` builds the image before pytest starts (tests/unit/test_docs.py
-# checks that the two agree).
-TEST_MIRROR = "http://deb.debian.org/debian"
-MIRROR = ["--build-arg", f"MIRROR={TEST_MIRROR}"]
+# The image tests use the plain Debian mirror (the one reachable here), not the dated snapshot default.
+MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 
 
 # make test runs the suite in three pytest-xdist workers where the machine has two cores or more (-n 3 --dist
@@ -114,9 +111,8 @@ MIRROR = ["--build-arg", f"MIRROR={TEST_MIRROR}"]
 # cluster, one clean run per recipe) are made once:
 # - "slurm": the Slurm test bed's tests, which spend about half their time waiting on Slurm (a 156 s USR1 requeue
 #   test kept the machine's 2 cores 58 % busy, a 174 s batch-host crash 44 %), so a third worker fills those
-#   waits with the other groups' computing. They need the cpu image, which `make test` builds before pytest
-#   starts (its test-image target); a pytest run on its own builds it in the image group's first test (cpu_image
-#   below: one build, the other workers wait for it);
+#   waits with the other groups' computing. They need the cpu image, which the image group builds first
+#   (cpu_image below: one build, the other worker waits for it);
 # - "image": the cpu image's build and what runs in it, the base image's two builds, the report's, Prometheus' and
 #   real data's runs, the speed gate's (quiet) runs, and the unit modules that compute most;
 # - "host": MaxText on the host (the fault tests) and the rest of the unit tests.
@@ -270,8 +266,7 @@ def image_build_lock():
 
 @pytest.fixture(scope="session")
 def cpu_image() -> Path:
-    """The cpu image, built from containers/cpu.def once (then cached by key): by `make test`'s set-up
-    (test-image), or here by the first test that needs it where pytest runs alone."""
+    """The cpu image, built once per test session from containers/cpu.def (then cached by key)."""
     require_apptainer()
     with image_build_lock():
         done = rkit("image", "build", "cpu", *MIRROR, timeout=3600, check=0)

@@ -44,8 +44,8 @@ def image_run(image_workspace: Path) -> RunDir:
 
 
 def test_second_build_returns_from_the_cache(cpu_image: Path):
-    """Budget: where pytest runs without `make test` (which builds it first), its set-up builds the cpu image from
-    nothing: the session's one build, shared by every image and Slurm test."""
+    """Budget: its set-up builds the cpu image from nothing: the session's one build, shared by every image and Slurm
+    test."""
     before = cpu_image.stat().st_mtime_ns
     done = rkit("image", "build", "cpu", *MIRROR, check=0)
     assert "cached" in done.stderr and done.stdout.strip() == str(cpu_image)

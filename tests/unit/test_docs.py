@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from ..conftest import REPO, TEST_MIRROR
+from ..conftest import REPO
 
 
 def generator():
@@ -98,12 +98,3 @@ def test_the_site_builds_strictly_and_a_broken_anchor_fails_it(tmp_path):
         page.write("\n[a broken anchor](commands.md#no-such-section)\n")
     done = build(copy / "mkdocs.yml")
     assert done.returncode == 1 and "no-such-section" in done.stderr
-
-
-def test_make_test_builds_the_image_the_tests_use():
-    """`make test` builds the tests' cpu image before pytest (its test-image target), with the mirror the tests
-    build with: another mirror is another image key, and the first image test would build a second image."""
-    makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"^test: .*\btest-image\b", makefile, re.M)
-    assert re.search(r"^TEST_MIRROR := (\S+)$", makefile, re.M).group(1) == TEST_MIRROR
-
