@@ -286,7 +286,8 @@ def _json_loads_line(raw: bytes | str):
                                       # beyond int64 and beyond a float, duplicate keys, deep nesting
                                       b'{"a": 123456789012345678901234567890}', b'{"a": -9223372036854775809}',
                                       b'{"a": 1e400}', b'{"a": 5e-400}', b'{"a": 1, "a": 2}',
-                                      b'{"a": ' * 2000 + b"1" + b"}" * 2000, b'{"a": -0.0, "b": 1E5}'])))
+                                      b'{"a": ' * 2000 + b"1" + b"}" * 2000, b'{"a": -0.0, "b": 1E5}',
+                                      b'{"a": "\\udc80"}', b'{"a": "\\ud83d\\ude00"}'])))
 def test_a_json_line_reads_as_json_loads_reads_it(raw):
     from rkit.contract import safeio
     from rkit.contract.safeio import parse_line
