@@ -76,6 +76,19 @@ def same_outcome(baseline: RunDir, run: RunDir, tolerance: float = 0.0) -> str:
     return done.stdout
 
 
+def same_on_retrained_steps(run: RunDir) -> dict[int, list[int]]:
+    """Each rank's steps that attempt 2 trained again, after asserting that on each of them the rank consumed the
+    batch and lost exactly what it did in attempt 1."""
+    again = {}
+    for rank in (0, 1):
+        by_attempt = {a: {line["step"]: line for line in lines(run, rank) if line["attempt"] == a} for a in (1, 2)}
+        again[rank] = sorted(set(by_attempt[1]) & set(by_attempt[2]))
+        for step in again[rank]:
+            first, second = by_attempt[1][step], by_attempt[2][step]
+            assert (first["data_fingerprint"], first["loss"]) == (second["data_fingerprint"], second["loss"]), step
+    return again
+
+
 @pytest.fixture(scope="session")
 def grain_baseline(data_workspace: Path) -> RunDir:
     return run_grain(data_workspace, "grain-baseline")
@@ -153,13 +166,8 @@ def test_tfrecord_data_resumes_where_it_was_and_recomputed_steps_see_the_same_ba
     run = RunDir(data_workspace / "runs" / name)
     assert [e["resume_from_step"] for e in events(run, "attempt.started")] == [None, 10]
     assert positions(run)[1] is not None  # the sequential reader's position was saved and restored
-    for rank in (0, 1):
-        by_attempt = {a: {line["step"]: line for line in lines(run, rank) if line["attempt"] == a} for a in (1, 2)}
-        again = sorted(set(by_attempt[1]) & set(by_attempt[2]))
-        assert again[:3] == [11, 12, 13], again
-        for step in again:
-            first, second = by_attempt[1][step], by_attempt[2][step]
-            assert (first["data_fingerprint"], first["loss"]) == (second["data_fingerprint"], second["loss"]), step
+    again = same_on_retrained_steps(run)
+    assert all(steps[:3] == [11, 12, 13] for steps in again.values()), again
 
 
 def test_the_node_local_tier_restores_the_data_position_with_its_step(data_workspace: Path, grain_baseline: RunDir):
@@ -179,11 +187,7 @@ def test_the_node_local_tier_restores_the_data_position_with_its_step(data_works
     assert [p["counter"] for _, p in sorted(position.items())] == [resumed["resume_from_step"] + 1] * 2
     # The steps attempt 2 trains again (resumed from 16: the kill comes after step 18, before 18's async save is
     # committed on a busy machine) lose exactly what attempt 1 lost: the local tier restored the state bit-exact.
-    for rank in (0, 1):
-        by_attempt = {a: {line["step"]: line for line in lines(run, rank) if line["attempt"] == a} for a in (1, 2)}
-        for step in sorted(set(by_attempt[1]) & set(by_attempt[2])):
-            first, second = by_attempt[1][step], by_attempt[2][step]
-            assert (first["data_fingerprint"], first["loss"]) == (second["data_fingerprint"], second["loss"]), step
+    same_on_retrained_steps(run)
     # Against the baseline, the data is the same at every step; the loss is not bit-exact: the local tier's
     # data-parallel mesh sums in another order than the baseline's fsdp one, from step 10 of attempt 1 on, before
     # any fault (max |A-B| 0.00155 over 30 steps, the same in every run), so the shrink's tolerance applies.
