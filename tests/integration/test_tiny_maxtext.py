@@ -224,8 +224,10 @@ def test_fault_then_resume_matches_uninterrupted_loss(workspace, baseline, name,
     view = merged(run, rank=0)
     lines = [m.step for m in read_rank(run.metrics_file(0))]
     restart_at = next(i for i in range(1, len(lines)) if lines[i] <= lines[i - 1])
-    last_before = lines[restart_at - 1]  # rank 0's last step of attempt 1 (it may be one past rank 1's)
-    assert last_before >= failed[0]["last_step"] and lines[restart_at] == resumed_from + 1
+    # rank 0's last step of attempt 1: one past the failed rank's or one short of it (synchronous ranks are at
+    # most a step apart; rank 0 may be stopped before it writes the line of the step rank 1 wrote last)
+    last_before = lines[restart_at - 1]
+    assert abs(last_before - failed[0]["last_step"]) <= 1 and lines[restart_at] == resumed_from + 1
     assert [s for s, m in view.items() if m["recomputed"]] == list(range(resumed_from + 1, last_before + 1))
     assert list(view) == list(range(30))  # exactly one line per step in the merged view
     assert all(view[s]["attempt"] == (2 if s > resumed_from else 1) for s in view)  # the newest attempt wins

@@ -5,12 +5,26 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import click
 
 from rkit.cli.options import json_option, limits_options, overrides_option
 from rkit.contract.errors import RecipeError, RkitError
+
+
+def load_readers() -> None:
+    """Import what the supervisor's chronicle and the final status need (Supervisor.on_launched)."""
+    import rkit.readers.outcome
+    import rkit.readers.status  # noqa: F401
+
+
+def chronicle(run, config, final: bool) -> None:
+    """readers/outcome.chronicle, imported when first called (load_readers has imported it by then)."""
+    from rkit.readers.outcome import chronicle as readers_chronicle
+
+    readers_chronicle(run, config, final)
 
 
 @click.command()
@@ -56,9 +70,6 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
         wait: bool, dry_run: bool) -> None:
     """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
-    from rkit.readers import status as run_status
-    from rkit.readers.display import live_progress
-    from rkit.readers.outcome import chronicle
     from rkit.run import runner
     from rkit.run.plan import load_checked
     from rkit.run.policy import RunState
@@ -69,10 +80,16 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     if dry_run:
         click.echo(runner.dry_run(loaded, injections, resume=resume))
         return
-    with live_progress(enabled=not quiet and loaded.config.launcher == "local",
-                       total=loaded.total_steps) as on_progress:
-        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress,
-                                           chronicle=chronicle)
+    live = not quiet and loaded.config.launcher == "local"
+    if live:
+        from rkit.readers.display import live_progress
+    # The readers (numpy with the digest) are imported once the ranks have started, while they import their
+    # trainer: not before the first rank starts (issue 45: rkit's fixed cost per run).
+    with live_progress(enabled=True, total=loaded.total_steps) if live else nullcontext(lambda p: None) as progress:
+        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=progress,
+                                           chronicle=chronicle, on_launched=load_readers)
+    from rkit.readers import status as run_status
+
     if state is RunState.PENDING:
         click.echo(f"rkit: submitted {run_dir.path} as Slurm job {runner.slurm_job(run_dir)}; "
                    f"follow it with: rkit status {run_dir.path}")
@@ -89,7 +106,6 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def supervise(run_dir: Path) -> None:
     """(Inside a Slurm batch job) run RUN's attempts as job steps."""
-    from rkit.readers.outcome import chronicle
     from rkit.run import runner
     from rkit.run.policy import RunState
 

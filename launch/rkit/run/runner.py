@@ -136,14 +136,16 @@ def apply_changes(run: RunDir, recipe: Recipe, changes: dict[str, list], trainin
 
 
 def run_recipe(recipe: Recipe, *, resume: bool, injections: list[Injection], chronicle: Chronicle,
-               on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[RunDir, RunState]:
+               on_progress: Callable[[Progress], None] = lambda p: None,
+               on_launched: Callable[[], None] = lambda: None) -> tuple[RunDir, RunState]:
     """`rkit run`: plan (a missing apptainer or image fails here, before anything exists), then execute: run here
     (local) or submit the batch job (slurm: RunState.PENDING)."""
-    return execute(plan(recipe, resume=resume, injections=injections), chronicle, on_progress=on_progress)
+    return execute(plan(recipe, resume=resume, injections=injections), chronicle, on_progress=on_progress,
+                   on_launched=on_launched)
 
 
-def execute(launch: LaunchPlan, chronicle: Chronicle, on_progress: Callable[[Progress], None] = lambda p: None
-            ) -> tuple[RunDir, RunState]:
+def execute(launch: LaunchPlan, chronicle: Chronicle, on_progress: Callable[[Progress], None] = lambda p: None,
+            on_launched: Callable[[], None] = lambda: None) -> tuple[RunDir, RunState]:
     if launch.launcher == "slurm":
         return submit_slurm(launch), RunState.PENDING
     with open_run(launch) as (run, _lock):
@@ -153,7 +155,7 @@ def execute(launch: LaunchPlan, chronicle: Chronicle, on_progress: Callable[[Pro
         supervisor = Supervisor(run=run, config=launch.recipe.config, injections=launch.injections,
                                 backend=launch.backend, base_env=launch.base_env, host_env=launch.host_env,
                                 image=launch.image, jax_cache_dir=launch.jax_cache_dir, on_progress=on_progress,
-                                chronicle=chronicle,
+                                chronicle=chronicle, on_launched=on_launched,
                                 planned=(launch.first_attempt, [i.index for i in launch.injections if i.in_trainer],
                                          launch.first_request))
         supervisor.install_signal_handlers()

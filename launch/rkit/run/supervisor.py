@@ -66,6 +66,9 @@ class Supervisor:
     host_env: dict[str, str] = field(default_factory=dict)
     image: ImageIdentity | None = None
     on_progress: Callable[[Progress], None] = lambda p: None
+    # Called once, when the first attempt's ranks have started: what the caller loads only for the run's end (the
+    # readers' imports) is loaded while the ranks import their trainer, not before they start or after they end.
+    on_launched: Callable[[], None] = lambda: None
     poll_seconds: float = 0.1
     clock: Callable[[], float] = time.monotonic
     planned: tuple[int, list[int], Request] | None = None  # the plan's first attempt: (number, injections, request)
@@ -276,6 +279,8 @@ class Supervisor:
                           checkpoint_period=self.period,
                           data_position=maxtext.resume_data_position(self.run, committed_before),
                           **({"tensorboard": tb_note} if tb_note else {}))
+            self.on_launched()
+            self.on_launched = lambda: None
             watch = AttemptWatch(self, attempt, started, tails, progress, resumed_from=committed_before,
                                  oom=OomWatch.of(list(info["pids"].values())))
             if self.backend.liveness is not None:

@@ -28,6 +28,7 @@ from rkit.contract.rundir import UMASK_ENV, RunDir, open_for_writing, write_json
 from rkit.runtime import determinism, devices
 from rkit.runtime.compilecache import cache_every_compilation, cache_every_process
 from rkit.runtime.inject import FIRED_EVENT, Injection
+from rkit.runtime.rankexit import exit_without_teardown
 from rkit.runtime.telemetry import metrics
 from rkit.runtime.telemetry.metrics import MetricsTail
 from rkit.runtime.telemetry.node import node_name, start_node_services
@@ -396,7 +397,8 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
     except SystemExit as end:  # app.run ends with sys.exit
         if tier is not None and end.code in (0, None):
             tier.finish()
-        raise
+        pump.drain()
+        exit_without_teardown(end.code)  # the interpreter's teardown skipped: 1 s per rank (rankexit.py)
     except Exception:
         # An error out of MaxText (a save the file system refused): said, then out at once. Left to the
         # interpreter's exit, the process waits forever for Orbax's signalling threads, and its peers in
