@@ -81,14 +81,22 @@ def test_a_backlog_is_read_over_several_drains_each_beat_with_its_arrival_stamp(
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             for seq in range(500):
                 sock.sendto(heartbeat.encode(listener.token, f"n{seq % 64}", 1, seq), address)
-        sent = time.time()
         time.sleep(0.2)
         first = listener.drain(seconds=0)  # past its time at once: one batch of 64
         rest: list = []
-        wait_until(lambda: rest.extend(listener.drain()) or len(first) + len(rest) >= 500, 10, "the backlog's rest")
+
+        def drain_rest() -> bool:
+            began = time.time()
+            rest.extend((beat, arrived, began) for beat, arrived in listener.drain())
+            return len(first) + len(rest) >= 500
+
+        wait_until(drain_rest, 10, "the backlog's rest")
         assert len(first) == 64 and len(first) + len(rest) == 500
-        assert sorted(b.seq for b, _ in first + rest) == list(range(500))
-        assert all(arrived <= sent + 0.05 for _, arrived in rest)  # stamped on arrival, not when read
+        assert sorted(b.seq for b, *_ in first + rest) == list(range(500))
+        # Stamped on arrival, not when read: each before the drain that read it began (at least 0.2 s after the
+        # last was sent). Not against the send's own time: under load the kernel's loopback delivery, and so its
+        # stamp, can lag the send by more than a fixed margin (CI: past 50 ms).
+        assert all(arrived < began for _, arrived, began in rest)
     finally:
         listener.close()
 
