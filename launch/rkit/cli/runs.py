@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import click
@@ -70,6 +69,7 @@ def validate(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[str, ...], quiet: bool,
         wait: bool, dry_run: bool) -> None:
     """Validate RECIPE, stamp a run directory and train under the supervisor (here, or as a Slurm job)."""
+    from rkit.readers.display import live_progress
     from rkit.run import runner
     from rkit.run.plan import load_checked
     from rkit.run.policy import RunState
@@ -80,13 +80,11 @@ def run(recipe: Path, overrides: tuple[str, ...], resume: bool, injects: tuple[s
     if dry_run:
         click.echo(runner.dry_run(loaded, injections, resume=resume))
         return
-    live = not quiet and loaded.config.launcher == "local"
-    if live:
-        from rkit.readers.display import live_progress
     # The readers (numpy with the digest) are imported once the ranks have started, while they import their
     # trainer: not before the first rank starts (issue 45: rkit's fixed cost per run).
-    with live_progress(enabled=True, total=loaded.total_steps) if live else nullcontext(lambda p: None) as progress:
-        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=progress,
+    with live_progress(enabled=not quiet and loaded.config.launcher == "local",
+                       total=loaded.total_steps) as on_progress:
+        run_dir, state = runner.run_recipe(loaded, resume=resume, injections=injections, on_progress=on_progress,
                                            chronicle=chronicle, on_launched=load_readers)
     from rkit.readers import status as run_status
 

@@ -17,13 +17,13 @@ TOP = 5  # stragglers, disk warnings, injections: the text views show this many 
 
 @contextmanager
 def live_progress(*, enabled: bool, total: int) -> Iterator[Callable[[RunProgress], None]]:
+    if not enabled:  # before rich's imports: `rkit run --quiet` needs none of it
+        yield lambda p: None
+        return
     import rich.progress as rp
     from rich.console import Console
 
     console = Console(stderr=True)
-    if not enabled:
-        yield lambda p: None
-        return
     if not console.is_terminal:
         last = {"attempt": 0}
 
