@@ -13,7 +13,7 @@ TEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 3 || echo 0)
 FLAVOR ?= cpu
 MIRROR ?=
 
-.PHONY: lock-python lock-debian setup setup-dev run data test test-slurm lint lock bench clean image apptainer prometheus slurm-testbed verify-image module-table docs docs-reference
+.PHONY: lock-python lock-debian setup setup-dev run data test test-slurm lint lock bench chaos clean image apptainer prometheus slurm-testbed verify-image module-table docs docs-reference
 
 # The training stack, from the hash-pinned lock (the CPU image installs the same lock).
 $(VENV)/.stamp-cpu: $(LOCKS)/cpu.txt $(LOCKS)/bench.txt pyproject.toml ci/find-python
@@ -96,6 +96,17 @@ test-slurm: setup-dev apptainer slurm-testbed
 # MIRROR=... overrides the Debian mirror of the cpu and cuda images (default: the dated snapshot in their .def).
 image: setup apptainer
 	$(VENV)/bin/rkit image build $(FLAVOR) $(if $(MIRROR),--build-arg MIRROR=$(MIRROR))
+
+# A fault campaign (tests/benchmarks/chaos.py): for each seed (SEEDS, default 1 2 3), 20 faults drawn from the
+# matrix rkit handles fired into one real run on the Slurm test bed at Slurm's default timeouts, on real data, with
+# warm standbys and the node-local tier; each checked (finished, the uninterrupted run's loss, every fault named,
+# nothing left running or half-written) and reported. Not part of make test: about 15-25 minutes a seed. The test
+# bed's nodes see /tmp and the checkout it was started from, so run it from that checkout.
+SEEDS ?= 1 2 3
+chaos: setup-dev apptainer slurm-testbed
+	@sif=$$($(VENV)/bin/rkit image build cpu $(if $(MIRROR),--build-arg MIRROR=$(MIRROR)) | tail -1) && \
+	  eval "$$(ci/slurm-testbed.sh env)" && \
+	  $(PY) tests/benchmarks/chaos.py --image "$$sif" $(foreach s,$(SEEDS),--seed $(s))
 
 # The full cpu image built a second time from nothing, compared byte for byte with the cached one (4-40 minutes;
 # make test proves the same machinery on the small base image).

@@ -1,0 +1,494 @@
+"""A fault campaign (issue 43, `make chaos`): a seeded schedule of many faults fired into one real training run on
+the Slurm test bed, at Slurm's default timeouts, on real data, with warm standbys and the node-local tier on; then a
+checker of what rkit promises and a report. Real Slurm, real Apptainer, real MaxText, real Grain, real Orbax.
+
+    eval "$(ci/slurm-testbed.sh env)"
+    python tests/benchmarks/chaos.py --image SIF [--seed N ...] [--faults 20] [--timeouts 300,10]
+
+The run: recipes/tiny-slurm.yaml (2 nodes x 1 process, one spare node of the test bed's 3) on text records read
+through MaxText's Grain pipeline, each process a data-parallel replica holding node-local steps every 2 steps
+(checkpoint.local_dir), the run directory's every 10, warm standbys on, the budgets raised to the campaign's faults
+(a campaign is many faults by design; the default budgets would rightly give up). One uninterrupted run of the
+same recipe is the reference (shared by the seeds).
+
+The schedule (seeded: the same seed gives the same schedule, printed before it starts): faults at steps 10-25 apart,
+each drawn from
+  kill          SIGKILL a rank (--inject kill)                              expected: task_signal, that rank
+  exit          a rank exits with a code (--inject exit)                    expected: task_exit, that rank
+  hang          a rank stops (SIGSTOP; --inject hang)                       expected: hang
+  preempt       Slurm's USR1 before the time limit (--inject preempt)       expected: preempted (planned), requeued
+  lose_local    a node's local checkpoints are lost and its rank killed     expected: task_signal, that rank
+  node_crash    the node of rank 1 crashes (ci/slurm-testbed.sh crash)      expected: node_fail, that node
+and, timed to land in a recovery,
+  kill_restore  a rank SIGKILLed as it begins the restore after the previous fault     expected: task_signal
+  crash_in_recovery  the node of rank 1 of the attempt after the previous fault crashes once that attempt has
+                started and before its first step                                 expected: node_fail, that node
+Some kills and preemptions fall on a save step (an async save in flight). A crashed node is brought back once the
+run has trained past the crash (it returns as a spare).
+
+The checker, on the result:
+  finished      the run finished (or stopped with a diagnosis naming a fault that cannot be survived)
+  loss          every step's loss and data fingerprint equal the reference run's (rank 0, newest line per step)
+  diagnosed     each fault's attempt ended with the cause it is (status --json), naming the right rank or node;
+                no crash loop and no budget given up for faults the schedule made
+  processes     no process of the run is left (its job left the queue; no process names its directory)
+  files         no file of the run directory half-written (every .json parses; no temporary file left)
+  goodput       goodput's parts add up to its wall time
+The report: faults injected / survived / diagnosed, steps recomputed per fault, detection (fault -> attempt.failed)
+and recovery (fault -> the next attempt's first step) per kind (median and range), wall time against the
+reference. It exits 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchruns import REPO, events, first
+
+RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
+TESTBED = REPO / "ci" / "slurm-testbed.sh"
+PERIOD = 10
+START = 20  # the first fault's earliest step
+REPAIR_SECONDS = 120  # a crashed node is back at the latest this long after its crash
+KINDS = {"kill": 4, "exit": 3, "preempt": 3, "lose_local": 2, "node_crash": 3, "hang": 1, "kill_restore": 2,
+         "crash_in_recovery": 2}
+EXPECTED = {"kill": "task_signal", "exit": "task_exit", "hang": "hang", "preempt": "preempted",
+            "lose_local": "task_signal", "kill_restore": "task_signal", "node_crash": "node_fail",
+            "crash_in_recovery": "node_fail"}
+FOLLOWERS = ("kill_restore", "crash_in_recovery")  # land in the recovery of the fault before them
+BY_HARNESS = ("node_crash", "crash_in_recovery")
+
+
+@dataclass
+class Fault:
+    index: int
+    kind: str
+    step: int  # the step it fires at (a follower: the step of the fault whose recovery it lands in)
+    rank: int = 1
+    code: int | None = None
+    on_save: bool = False
+    inject_index: int | None = None  # its place among the run's --inject specs
+    # filled in as it happens
+    attempt: int | None = None
+    at: float | None = None
+    node: str | None = None
+
+    def spec(self, steps: int) -> str | None:
+        if self.kind == "kill":
+            return f"kill:rank={self.rank},step={self.step}"
+        if self.kind == "exit":
+            return f"exit:rank={self.rank},step={self.step},code={self.code}"
+        if self.kind == "hang":
+            return f"hang:rank={self.rank},step={self.step}"
+        if self.kind == "preempt":
+            return f"preempt:step={self.step}"
+        if self.kind == "lose_local":
+            return f"lose_local:rank={self.rank},step={self.step}"
+        if self.kind == "kill_restore":  # the restore of any step from the previous fault's on
+            return f"kill_restore:rank={self.rank},step={max(0, self.step - PERIOD)}"
+        return None
+
+    def describe(self) -> str:
+        where = " (a save in flight)" if self.on_save else ""
+        if self.kind in FOLLOWERS:
+            return f"#{self.index} {self.kind} rank {self.rank}, in the recovery from the fault at step {self.step}"
+        extra = f" code {self.code}" if self.code is not None else ""
+        rank = "" if self.kind == "preempt" else f" rank {self.rank}"
+        return f"#{self.index} {self.kind}{rank}{extra} at step {self.step}{where}"
+
+
+def schedule(seed: int, count: int) -> list[Fault]:
+    """COUNT faults drawn with SEED: the same seed gives the same schedule."""
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    step = START - 10
+    kinds, weights = list(KINDS), list(KINDS.values())
+    while len(faults) < count:
+        kind = rng.choices(kinds, weights)[0]
+        previous = faults[-1] if faults else None
+        if kind in FOLLOWERS:
+            # only after a fault that ends an attempt by a failure on the run's nodes, and never two in a row
+            if previous is None or previous.kind in FOLLOWERS or previous.kind == "preempt":
+                continue
+            rank = 1 if kind == "crash_in_recovery" else rng.randrange(2)  # rank 1's node: not the batch host
+            faults.append(Fault(len(faults), kind, previous.step, rank=rank))
+            continue
+        at = step + rng.randint(10, 25)
+        on_save = kind in ("kill", "preempt") and rng.random() < 0.4
+        if on_save:  # a step whose save has just begun, still 10-25 steps after the last fault
+            at = -(-at // PERIOD) * PERIOD
+            at = at - PERIOD if at - step > 25 else at
+        step = at
+        rank = 1 if kind == "node_crash" else rng.randrange(2)
+        code = rng.randint(1, 120) if kind == "exit" else None
+        faults.append(Fault(len(faults), kind, step, rank=rank, code=code, on_save=on_save))
+    return faults
+
+
+def recipe_args(work: Path, image: str, steps: int, faults: int) -> list[str]:
+    data = work / "data"
+    return ["-o", f"runs_dir={work / 'runs'}", "-o", f"image={image}", "-o", f"trainer.steps={steps}",
+            "-o", f"checkpoint.period={PERIOD}", "-o", "checkpoint.keep=4",
+            "-o", f"checkpoint.local_dir={work / 'node-local'}/$SLURMD_NODENAME", "-o", "checkpoint.local_period=2",
+            "-o", "trainer.overrides.ici_data_parallelism=-1", "-o", "trainer.overrides.ici_fsdp_parallelism=1",
+            "-o", "trainer.overrides.dataset_type=grain", "-o", "trainer.overrides.grain_worker_count=0",
+            "-o", f"trainer.overrides.grain_train_files={data}/train-*.array_record",
+            "-o", "trainer.overrides.tokenizer_path=tokenizer.default", "-o", "trainer.overrides.vocab_size=32768",
+            "-o", "resilience.warm_standby=true", "-o", f"resilience.max_restarts={faults + 3}",
+            "-o", f"resilience.max_infra_restarts={faults + 3}", "-o", "slurm.time=03:00:00"]
+
+
+def submit(work: Path, name: str, args: list[str], injects: list[str]) -> tuple[Path, str, float]:
+    started = time.time()
+    subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(RECIPE), "-o", f"name={name}", *args,
+                    *[a for spec in injects for a in ("--inject", spec)]], check=True, capture_output=True)
+    run = work / "runs" / name
+    return run, first(events(run), "job.submitted")["job_id"], started
+
+
+def in_queue(job: str) -> bool:
+    return bool(subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip())
+
+
+def final(evs: list[dict]) -> dict | None:
+    return next((e for e in reversed(evs) if e["event"] in ("run.finished", "run.gave_up")), None)
+
+
+def rank0_step(run: Path) -> int:
+    try:
+        text = (run / "metrics" / "0.jsonl").read_text()
+    except FileNotFoundError:
+        return -1
+    best = -1
+    for line in text.splitlines()[-50:]:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            best = max(best, int(json.loads(line)["step"]))
+    return best
+
+
+def current_attempt(evs: list[dict]) -> dict | None:
+    return next((e for e in reversed(evs) if e["event"] == "attempt.started"), None)
+
+
+def testbed(*args: str) -> None:
+    subprocess.run([str(TESTBED), *args], check=True, capture_output=True, timeout=600)
+
+
+def drive(run: Path, job: str, faults: list[Fault], timeout: float) -> None:
+    """Fire the harness's faults (node crashes) as the run reaches them; bring crashed nodes back once the run
+    trained past the crash; until the run's final event and its job left the queue."""
+    todo = [f for f in faults if f.kind in BY_HARNESS]
+    crashed: list[tuple[str, int, float]] = []  # (node, the attempt it crashed in, when)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        evs = events(run)
+        attempt = current_attempt(evs)
+        if final(evs) and not in_queue(job) and not crashed:
+            return
+        for node, at, when in list(crashed):  # back (a repaired machine) once a later attempt has trained a step,
+            # or after REPAIR_SECONDS: a run that needs it back (no spare left) waits for it meanwhile
+            if any(e["event"] == "attempt.first_step" and e["attempt"] > at for e in evs) or final(evs) or \
+                    time.time() - when > REPAIR_SECONDS:
+                testbed("restore", node)
+                crashed.remove((node, at, when))
+        if todo and attempt is not None:
+            fault = todo[0]
+            fired = _due(fault, faults, evs, attempt, run)
+            if fired:
+                nodes = json.loads((run / "attempts" / str(attempt["attempt"]) / "attempt.json").read_text())[
+                    "launch"]["nodes"]
+                fault.node, fault.attempt, fault.at = nodes[1], attempt["attempt"], time.time()
+                testbed("crash", fault.node)
+                crashed.append((fault.node, fault.attempt, fault.at))
+                todo.pop(0)
+                print(f"  fired {fault.describe()}: {fault.node} crashed in attempt {fault.attempt}", flush=True)
+        time.sleep(0.2)
+    raise TimeoutError(f"{run}: not done in {timeout:.0f} s")
+
+
+def _due(fault: Fault, faults: list[Fault], evs: list[dict], attempt: dict, run: Path) -> bool:
+    """A node crash is due once every fault before it has fired and rank 0 of the current attempt is past its
+    step; a crash in a recovery once the attempt after the previous fault has started and not yet trained."""
+    before = faults[: fault.index]
+    fired = {e.get("index") for e in evs if e["event"] == "inject.fired"}
+    if any(f.inject_index is not None and f.inject_index not in fired for f in before if f.kind != "kill_restore"):
+        return False
+    if any(f.kind in BY_HARNESS and f.at is None for f in before):
+        return False
+    n = attempt["attempt"]
+    if not (run / "attempts" / str(n) / "attempt.json").exists():
+        return False
+    if fault.kind == "node_crash":
+        stepped = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
+        return stepped and rank0_step(run) >= fault.step
+    previous = faults[fault.index - 1]
+    failed_at = previous.attempt if previous.attempt is not None else _fired_attempt(previous, evs)
+    trained = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
+    return failed_at is not None and n > failed_at and not trained
+
+
+def _fired_attempt(fault: Fault, evs: list[dict]) -> int | None:
+    return next((e["attempt"] for e in evs if e["event"] == "inject.fired" and e.get("index") == fault.inject_index),
+                None)
+
+
+# -- the checker ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    checks: dict[str, list[str]] = field(default_factory=dict)  # check -> its failures ([] passed)
+
+    def add(self, check: str, failure: str | None = None) -> None:
+        self.checks.setdefault(check, [])
+        if failure:
+            self.checks[check].append(failure)
+
+    @property
+    def clean(self) -> bool:
+        return not any(self.checks.values())
+
+
+def status_json(run: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "rkit.cli", "status", "--json", str(run)], capture_output=True,
+                          text=True, check=False)
+    return json.loads(done.stdout)
+
+
+def merged_rank0(run: Path) -> dict[int, dict]:
+    from rkit.contract.rundir import RunDir
+    from rkit.runtime.telemetry.metrics import merged
+
+    return merged(RunDir(run), 0)
+
+
+def check(run: Path, reference: Path, faults: list[Fault], job: str) -> tuple[Verdict, list[dict]]:
+    verdict, evs = Verdict(), events(run)
+    status = status_json(run)
+    end = final(evs)
+    verdict.add("finished", None if status.get("state") == "finished" else
+                f"state {status.get('state')!r}: {status.get('reason')}")
+    ours, ref = merged_rank0(run), merged_rank0(reference)
+    verdict.add("loss")
+    if sorted(ours) != sorted(ref):
+        verdict.add("loss", f"steps {min(ours, default=None)}..{max(ours, default=None)} ({len(ours)}) against "
+                            f"{min(ref)}..{max(ref)} ({len(ref)})")
+    for step in sorted(set(ours) & set(ref)):
+        a, b = ours[step], ref[step]
+        if (a.get("loss"), a.get("data_fingerprint")) != (b.get("loss"), b.get("data_fingerprint")):
+            verdict.add("loss", f"step {step}: loss {a.get('loss')} vs {b.get('loss')}, data "
+                                f"{a.get('data_fingerprint')} vs {b.get('data_fingerprint')}")
+            break
+    attempts = {a["attempt"]: a for a in status.get("attempts", [])}
+    failed = {e["attempt"]: e for e in evs if e["event"] == "attempt.failed"}
+    from rkit.contract.rundir import RunDir
+    from rkit.runtime.telemetry.metrics import lines
+
+    rank0 = lines(RunDir(run), 0)
+    rows = []
+    verdict.add("diagnosed")
+    for f in faults:
+        if f.inject_index is not None:
+            fired = next((e for e in evs if e["event"] == "inject.fired" and e.get("index") == f.inject_index), None)
+            if fired:
+                f.attempt, f.at = fired["attempt"], fired["t"]
+        if f.attempt is None:
+            verdict.add("diagnosed", f"{f.describe()}: never fired")
+            continue
+        cause = attempts.get(f.attempt, {}).get("cause")
+        row = {"fault": f, "cause": cause}
+        if cause != EXPECTED[f.kind]:
+            verdict.add("diagnosed", f"{f.describe()}: attempt {f.attempt} ended as {cause!r}, not "
+                                     f"{EXPECTED[f.kind]!r}")
+        why = failed.get(f.attempt)
+        if why and f.kind in BY_HARNESS and f.node not in (why.get("lost_nodes") or [why.get("node")]):
+            blamed = why.get("lost_nodes") or why.get("node")
+            verdict.add("diagnosed", f"{f.describe()}: attempt {f.attempt} blamed {blamed}, not {f.node}")
+        if why and f.kind in ("kill", "exit", "lose_local", "kill_restore") and why.get("rank") != f.rank:
+            verdict.add("diagnosed", f"{f.describe()}: attempt {f.attempt} blamed rank {why.get('rank')}")
+        if why and f.kind == "exit" and why.get("exit_code") != f.code:
+            verdict.add("diagnosed", f"{f.describe()}: exit code {why.get('exit_code')} recorded")
+        row.update(timings(f, evs, rank0))
+        rows.append(row)
+    reason = status.get("reason") or ""
+    if "crash loop" in reason or "budget" in reason:
+        verdict.add("diagnosed", f"the run's verdict: {reason}")
+    verdict.add("processes")
+    if in_queue(job):
+        verdict.add("processes", f"job {job} still in the queue")
+    verdict.add("processes", leftover_processes(run))
+    verdict.add("files")
+    for problem in half_written(run):
+        verdict.add("files", problem)
+    verdict.add("goodput", goodput_problem(run, evs, end))
+    return verdict, rows
+
+
+def timings(f: Fault, evs: list[dict], rank0: list[dict]) -> dict:
+    out: dict = {}
+    failed = next((e for e in evs if e["event"] in ("attempt.failed", "attempt.hang", "preempt.requested")
+                   and e["attempt"] == f.attempt), None)
+    nxt = next((e for e in evs if e["event"] == "attempt.first_step" and e["attempt"] > f.attempt), None)
+    started = next((e for e in evs if e["event"] == "attempt.started" and e["attempt"] > f.attempt), None)
+    if failed and f.at is not None:
+        out["detection"] = failed["t"] - f.at
+    if nxt and f.at is not None:
+        out["recovery"] = nxt["t"] - f.at
+    trained = [line["step"] for line in rank0 if line.get("attempt") == f.attempt]
+    if started and started.get("resume_from_step") is not None and trained:
+        out["recomputed"] = max(0, max(trained) - started["resume_from_step"])
+    return out
+
+
+def leftover_processes(run: Path) -> str | None:
+    import psutil
+
+    mark = str(run.resolve())
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(mark in part for part in proc.info["cmdline"] or []):
+                left.append(f"{proc.info['pid']} {' '.join(proc.info['cmdline'])[:120]}")
+    return f"processes left: {left}" if left else None
+
+
+def half_written(run: Path) -> list[str]:
+    problems = []
+    for path in run.rglob("*"):
+        if path.is_dir():
+            continue
+        name = path.name
+        if ".tmp" in name or name.endswith((".partial", ".part")) or name.startswith(".rkit-tmp"):
+            problems.append(f"temporary file left: {path.relative_to(run)}")
+        elif name.endswith(".json"):
+            try:
+                json.loads(path.read_text())
+            except (ValueError, UnicodeDecodeError, OSError) as exc:
+                problems.append(f"{path.relative_to(run)} does not parse: {exc}")
+    return problems
+
+
+def goodput_problem(run: Path, evs: list[dict], end: dict | None) -> str | None:
+    from rkit.contract.rundir import RunDir
+    from rkit.readers.goodput import run_goodput
+
+    good = run_goodput(RunDir(run)).as_dict()
+    parts = sum(good["seconds"].values())
+    elapsed = (end or evs[-1])["t"] - evs[0]["t"]
+    if abs(parts - good["wall_seconds"]) > 0.5 or good["wall_seconds"] > elapsed + 1:
+        return f"goodput's parts {parts:.1f} s, its wall {good['wall_seconds']:.1f} s, the run's {elapsed:.1f} s"
+    return None
+
+
+# -- the campaign --------------------------------------------------------------------------------------------------
+
+def steps_for(count: int) -> int:
+    """The run's length: room for COUNT faults at their widest spacing, and 30 steps after the last."""
+    return START + 25 * count + 30
+
+
+def campaign(work: Path, image: str, seed: int, count: int, reference: tuple[Path, float] | None,
+             timeout: float) -> tuple[bool, tuple[Path, float]]:
+    faults = schedule(seed, count)
+    steps = steps_for(count)
+    print(f"seed {seed}: {len(faults)} faults over {steps} steps", flush=True)
+    for f in faults:
+        print(f"  {f.describe()}", flush=True)
+    args = recipe_args(work, image, steps, len(faults))
+    if reference is None:  # one per invocation: every seed's run has the same length and recipe
+        ref, job, began = submit(work, f"reference-{steps}", args, [])
+        drive(ref, job, [], timeout)
+        reference = (ref, final(events(ref))["t"] - began)
+        print(f"reference: {steps} steps uninterrupted in {reference[1]:.0f} s", flush=True)
+    injects = []
+    for f in faults:
+        spec = f.spec(steps)
+        if spec is not None:
+            f.inject_index = len(injects)
+            injects.append(spec)
+    run, job, began = submit(work, f"chaos-{seed}", args, injects)
+    drive(run, job, faults, timeout)
+    wall = final(events(run))["t"] - began
+    verdict, rows = check(run, reference[0], faults, job)
+    report(seed, faults, rows, verdict, wall, reference[1])
+    return verdict.clean, reference
+
+
+def report(seed: int, faults: list[Fault], rows: list[dict], verdict: Verdict, wall: float, ref_wall: float) -> None:
+    diagnosed = sum(1 for r in rows if r["cause"] == EXPECTED[r["fault"].kind])
+    print(f"seed {seed}: {len(faults)} faults injected, {len(rows)} fired, {diagnosed} diagnosed as what they were; "
+          f"wall {wall:.0f} s against {ref_wall:.0f} s uninterrupted ({wall / ref_wall:.1f}x)")
+    for r in rows:
+        f = r["fault"]
+        times = ", ".join(f"{k} {r[k]:.1f} s" for k in ("detection", "recovery") if k in r)
+        print(f"  {f.describe()}: attempt {f.attempt} -> {r['cause']}; {times}; recomputed {r.get('recomputed', '?')}")
+    by_kind: dict[str, list[dict]] = {}
+    for r in rows:
+        by_kind.setdefault(r["fault"].kind, []).append(r)
+    for kind, group in sorted(by_kind.items()):
+        parts = []
+        for key in ("detection", "recovery", "recomputed"):
+            values = [r[key] for r in group if key in r]
+            if values:
+                parts.append(f"{key} {statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
+        print(f"  {kind} x{len(group)}: " + ", ".join(parts))
+    for name, failures in verdict.checks.items():
+        print(f"  check {name}: " + ("ok" if not failures else "FAILED: " + "; ".join(failures)))
+
+
+@contextlib.contextmanager
+def slurm_timeouts(slurmd: str, message: str) -> Iterator[None]:
+    testbed("timeouts", slurmd, message)
+    try:
+        yield
+    finally:
+        testbed("timeouts", "20", "5")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--image", required=True)
+    parser.add_argument("--seed", type=int, action="append", help="a campaign per seed (default 1, 2, 3)")
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--timeouts", default="300,10", help="SLURMD,MESSAGE: the test bed's Slurm timeouts meanwhile")
+    parser.add_argument("--timeout", type=float, default=5400, help="seconds a run may take")
+    parser.add_argument("--keep", type=Path, help="keep the runs in this folder (under /tmp: the nodes see it)")
+    parser.add_argument("--print-schedule", action="store_true", help="print each seed's schedule and stop")
+    args = parser.parse_args()
+    seeds = args.seed or [1, 2, 3]
+    if args.print_schedule:
+        for seed in seeds:
+            for f in schedule(seed, args.faults):
+                print(f"seed {seed}: {f.describe()}")
+        return 0
+    from rkit.recipe import sampledata
+
+    image = str(Path(args.image).resolve())
+    clean = True
+    with contextlib.ExitStack() as stack:
+        work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rkit-chaos-", dir="/tmp")))
+        work.mkdir(parents=True, exist_ok=True)
+        if not (work / "data").exists():
+            sampledata.make(work / "data")
+        stack.enter_context(slurm_timeouts(*args.timeouts.split(",")))
+        reference = None
+        for seed in seeds:
+            ok, reference = campaign(work, image, seed, args.faults, reference, args.timeout)
+            clean = clean and ok
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
