@@ -55,20 +55,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchruns import REPO, events, first
+from benchruns import REPO, events
 
 RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
 TESTBED = REPO / "ci" / "slurm-testbed.sh"
 PERIOD = 10
 START = 20  # the first fault's earliest step
 REPAIR_SECONDS = 120  # a crashed node is back at the latest this long after its crash
-KINDS = {"kill": 4, "exit": 3, "preempt": 3, "lose_local": 2, "node_crash": 3, "hang": 1, "kill_restore": 2,
-         "crash_in_recovery": 2}
+KINDS = {"kill": 4, "exit": 3, "preempt": 3, "lose_local": 2, "node_crash": 3, "hang": 1, "supervisor_kill": 1,
+         "kill_restore": 2, "crash_in_recovery": 2}
 EXPECTED = {"kill": "task_signal", "exit": "task_exit", "hang": "hang", "preempt": "preempted",
             "lose_local": "task_signal", "kill_restore": "task_signal", "node_crash": "node_fail",
-            "crash_in_recovery": "node_fail"}
+            "crash_in_recovery": "node_fail", "supervisor_kill": "lost"}
 FOLLOWERS = ("kill_restore", "crash_in_recovery")  # land in the recovery of the fault before them
-BY_HARNESS = ("node_crash", "crash_in_recovery")
+BY_HARNESS = ("node_crash", "crash_in_recovery", "supervisor_kill")
 
 
 @dataclass
@@ -79,13 +79,12 @@ class Fault:
     rank: int = 1
     code: int | None = None
     on_save: bool = False
-    inject_index: int | None = None  # its place among the run's --inject specs
     # filled in as it happens
     attempt: int | None = None
     at: float | None = None
     node: str | None = None
 
-    def spec(self, steps: int) -> str | None:
+    def spec(self) -> str | None:
         if self.kind == "kill":
             return f"kill:rank={self.rank},step={self.step}"
         if self.kind == "exit":
@@ -105,7 +104,7 @@ class Fault:
         if self.kind in FOLLOWERS:
             return f"#{self.index} {self.kind} rank {self.rank}, in the recovery from the fault at step {self.step}"
         extra = f" code {self.code}" if self.code is not None else ""
-        rank = "" if self.kind == "preempt" else f" rank {self.rank}"
+        rank = "" if self.kind in ("preempt", "supervisor_kill") else f" rank {self.rank}"
         return f"#{self.index} {self.kind}{rank}{extra} at step {self.step}{where}"
 
 
@@ -131,7 +130,7 @@ def schedule(seed: int, count: int) -> list[Fault]:
             at = -(-at // PERIOD) * PERIOD
             at = at - PERIOD if at - step > 25 else at
         step = at
-        rank = 1 if kind == "node_crash" else rng.randrange(2)
+        rank = 1 if kind in ("node_crash", "supervisor_kill") else rng.randrange(2)
         code = rng.randint(1, 120) if kind == "exit" else None
         faults.append(Fault(len(faults), kind, step, rank=rank, code=code, on_save=on_save))
     return faults
@@ -150,12 +149,103 @@ def recipe_args(work: Path, image: str, steps: int, faults: int) -> list[str]:
             "-o", f"resilience.max_infra_restarts={faults + 3}", "-o", "slurm.time=03:00:00"]
 
 
-def submit(work: Path, name: str, args: list[str], injects: list[str]) -> tuple[Path, str, float]:
-    started = time.time()
-    subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(RECIPE), "-o", f"name={name}", *args,
-                    *[a for spec in injects for a in ("--inject", spec)]], check=True, capture_output=True)
-    run = work / "runs" / name
-    return run, first(events(run), "job.submitted")["job_id"], started
+class Campaign:
+    """One run under a schedule: submits it (and resumes it after a supervisor kill, with the injections that have
+    not fired yet), fires the harness's faults when they are due, brings crashed nodes back."""
+
+    def __init__(self, work: Path, name: str, args: list[str], faults: list[Fault]):
+        self.work, self.name, self.args, self.faults = work, name, args, faults
+        self.run = work / "runs" / name
+        self.jobs: list[str] = []
+        self.sessions: list[dict[int, Fault]] = []  # each `rkit run`'s --inject indexes (they restart with each)
+        self.crashed: list[tuple[str, int, float]] = []  # (node, the attempt it crashed in, when)
+        self.began = 0.0
+
+    def submit(self, resume: bool = False) -> None:
+        waiting = [f for f in self.faults if f.kind not in BY_HARNESS and f.attempt is None]
+        session = {i: f for i, f in enumerate(waiting)}
+        specs = [f.spec() for f in waiting]
+        self.began = self.began or time.time()
+        subprocess.run([sys.executable, "-m", "rkit.cli", "run", str(RECIPE), "-o", f"name={self.name}", *self.args,
+                        *[a for spec in specs for a in ("--inject", spec)], *(["--resume"] if resume else [])],
+                       check=True, capture_output=True)
+        self.sessions.append(session)
+        self.jobs.append([e for e in events(self.run) if e["event"] == "job.submitted"][-1]["job_id"])
+
+    def sync(self, evs: list[dict]) -> None:
+        """Each injection's attempt and time, from its inject.fired (read in the session that gave it)."""
+        session = -1
+        for e in evs:
+            if e["event"] in ("run.submitted", "run.resumed"):
+                session += 1
+            elif e["event"] == "inject.fired" and 0 <= session < len(self.sessions):
+                fault = self.sessions[session].get(e.get("index"))
+                if fault is not None and fault.attempt is None:
+                    fault.attempt, fault.at = e["attempt"], e["t"]
+
+    def drive(self, timeout: float) -> float:
+        """Until the run's final event and its job left the queue; returns the wall time from the submission."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            evs = events(self.run)
+            self.sync(evs)
+            job = self.jobs[-1]
+            if final(evs) and not in_queue(job) and not self.crashed:
+                return final(evs)["t"] - self.began
+            for node, at, when in list(self.crashed):  # back (a repaired machine) once a later attempt has trained,
+                # or after REPAIR_SECONDS: a run that needs it back (no spare left) waits for it meanwhile
+                if any(e["event"] == "attempt.first_step" and e["attempt"] > at for e in evs) or final(evs) or \
+                        time.time() - when > REPAIR_SECONDS:
+                    testbed("restore", node)
+                    self.crashed.remove((node, at, when))
+            fault = next((f for f in self.faults if f.kind in BY_HARNESS and f.at is None), None)
+            attempt = current_attempt(evs)
+            if fault is not None and attempt is not None and self.due(fault, evs, attempt["attempt"]):
+                self.fire(fault, attempt["attempt"], evs)
+            elif not in_queue(job) and not final(evs) and self.stopped(evs):
+                self.submit(resume=True)  # what a user does after the supervisor was killed
+                print(f"  resumed: job {self.jobs[-1]}", flush=True)
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.run}: not done in {timeout:.0f} s")
+
+    def stopped(self, evs: list[dict]) -> bool:
+        killed = [f for f in self.faults if f.kind == "supervisor_kill" and f.at is not None]
+        return bool(killed) and len(self.jobs) <= len(killed) and \
+            status_json(self.run).get("state") == "stopped"
+
+    def due(self, fault: Fault, evs: list[dict], n: int) -> bool:
+        """Once every fault before it has fired: a node crash or a supervisor kill when rank 0 of the current
+        attempt is past its step; a crash in a recovery once the attempt after the previous fault has started and
+        not yet trained."""
+        if any(f.at is None for f in self.faults[: fault.index]):
+            return False
+        if not (self.run / "attempts" / str(n) / "attempt.json").exists():
+            return False
+        trained = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
+        if fault.kind in ("node_crash", "supervisor_kill"):
+            return trained and rank0_step(self.run) >= fault.step
+        previous = self.faults[fault.index - 1]
+        return n > previous.attempt and not trained
+
+    def fire(self, fault: Fault, n: int, evs: list[dict]) -> None:
+        fault.attempt = n
+        if fault.kind == "supervisor_kill":
+            import psutil
+
+            argv_end = ["supervise", str(self.run.resolve())]
+            proc = next((p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == argv_end),
+                        None)
+            if proc is None:
+                return  # between jobs: tried again on the next round
+            fault.at = time.time()
+            proc.kill()
+            print(f"  fired {fault.describe()}: supervisor {proc.pid} killed in attempt {n}", flush=True)
+            return
+        nodes = json.loads((self.run / "attempts" / str(n) / "attempt.json").read_text())["launch"]["nodes"]
+        fault.node, fault.at = nodes[1], time.time()
+        testbed("crash", fault.node)
+        self.crashed.append((fault.node, n, fault.at))
+        print(f"  fired {fault.describe()}: {fault.node} crashed in attempt {n}", flush=True)
 
 
 def in_queue(job: str) -> bool:
@@ -184,64 +274,6 @@ def current_attempt(evs: list[dict]) -> dict | None:
 
 def testbed(*args: str) -> None:
     subprocess.run([str(TESTBED), *args], check=True, capture_output=True, timeout=600)
-
-
-def drive(run: Path, job: str, faults: list[Fault], timeout: float) -> None:
-    """Fire the harness's faults (node crashes) as the run reaches them; bring crashed nodes back once the run
-    trained past the crash; until the run's final event and its job left the queue."""
-    todo = [f for f in faults if f.kind in BY_HARNESS]
-    crashed: list[tuple[str, int, float]] = []  # (node, the attempt it crashed in, when)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        evs = events(run)
-        attempt = current_attempt(evs)
-        if final(evs) and not in_queue(job) and not crashed:
-            return
-        for node, at, when in list(crashed):  # back (a repaired machine) once a later attempt has trained a step,
-            # or after REPAIR_SECONDS: a run that needs it back (no spare left) waits for it meanwhile
-            if any(e["event"] == "attempt.first_step" and e["attempt"] > at for e in evs) or final(evs) or \
-                    time.time() - when > REPAIR_SECONDS:
-                testbed("restore", node)
-                crashed.remove((node, at, when))
-        if todo and attempt is not None:
-            fault = todo[0]
-            fired = _due(fault, faults, evs, attempt, run)
-            if fired:
-                nodes = json.loads((run / "attempts" / str(attempt["attempt"]) / "attempt.json").read_text())[
-                    "launch"]["nodes"]
-                fault.node, fault.attempt, fault.at = nodes[1], attempt["attempt"], time.time()
-                testbed("crash", fault.node)
-                crashed.append((fault.node, fault.attempt, fault.at))
-                todo.pop(0)
-                print(f"  fired {fault.describe()}: {fault.node} crashed in attempt {fault.attempt}", flush=True)
-        time.sleep(0.2)
-    raise TimeoutError(f"{run}: not done in {timeout:.0f} s")
-
-
-def _due(fault: Fault, faults: list[Fault], evs: list[dict], attempt: dict, run: Path) -> bool:
-    """A node crash is due once every fault before it has fired and rank 0 of the current attempt is past its
-    step; a crash in a recovery once the attempt after the previous fault has started and not yet trained."""
-    before = faults[: fault.index]
-    fired = {e.get("index") for e in evs if e["event"] == "inject.fired"}
-    if any(f.inject_index is not None and f.inject_index not in fired for f in before if f.kind != "kill_restore"):
-        return False
-    if any(f.kind in BY_HARNESS and f.at is None for f in before):
-        return False
-    n = attempt["attempt"]
-    if not (run / "attempts" / str(n) / "attempt.json").exists():
-        return False
-    if fault.kind == "node_crash":
-        stepped = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
-        return stepped and rank0_step(run) >= fault.step
-    previous = faults[fault.index - 1]
-    failed_at = previous.attempt if previous.attempt is not None else _fired_attempt(previous, evs)
-    trained = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
-    return failed_at is not None and n > failed_at and not trained
-
-
-def _fired_attempt(fault: Fault, evs: list[dict]) -> int | None:
-    return next((e["attempt"] for e in evs if e["event"] == "inject.fired" and e.get("index") == fault.inject_index),
-                None)
 
 
 # -- the checker ---------------------------------------------------------------------------------------------------
@@ -273,7 +305,7 @@ def merged_rank0(run: Path) -> dict[int, dict]:
     return merged(RunDir(run), 0)
 
 
-def check(run: Path, reference: Path, faults: list[Fault], job: str) -> tuple[Verdict, list[dict]]:
+def check(run: Path, reference: Path, faults: list[Fault], jobs: list[str]) -> tuple[Verdict, list[dict]]:
     verdict, evs = Verdict(), events(run)
     status = status_json(run)
     end = final(evs)
@@ -299,10 +331,6 @@ def check(run: Path, reference: Path, faults: list[Fault], job: str) -> tuple[Ve
     rows = []
     verdict.add("diagnosed")
     for f in faults:
-        if f.inject_index is not None:
-            fired = next((e for e in evs if e["event"] == "inject.fired" and e.get("index") == f.inject_index), None)
-            if fired:
-                f.attempt, f.at = fired["attempt"], fired["t"]
         if f.attempt is None:
             verdict.add("diagnosed", f"{f.describe()}: never fired")
             continue
@@ -325,8 +353,9 @@ def check(run: Path, reference: Path, faults: list[Fault], job: str) -> tuple[Ve
     if "crash loop" in reason or "budget" in reason:
         verdict.add("diagnosed", f"the run's verdict: {reason}")
     verdict.add("processes")
-    if in_queue(job):
-        verdict.add("processes", f"job {job} still in the queue")
+    for job in jobs:
+        if in_queue(job):
+            verdict.add("processes", f"job {job} still in the queue")
     verdict.add("processes", leftover_processes(run))
     verdict.add("files")
     for problem in half_written(run):
@@ -407,20 +436,15 @@ def campaign(work: Path, image: str, seed: int, count: int, reference: tuple[Pat
         print(f"  {f.describe()}", flush=True)
     args = recipe_args(work, image, steps, len(faults))
     if reference is None:  # one per invocation: every seed's run has the same length and recipe
-        ref, job, began = submit(work, f"reference-{steps}", args, [])
-        drive(ref, job, [], timeout)
-        reference = (ref, final(events(ref))["t"] - began)
+        ref = Campaign(work, f"reference-{steps}", args, [])
+        ref.submit()
+        reference = (ref.run, ref.drive(timeout))
         print(f"reference: {steps} steps uninterrupted in {reference[1]:.0f} s", flush=True)
-    injects = []
-    for f in faults:
-        spec = f.spec(steps)
-        if spec is not None:
-            f.inject_index = len(injects)
-            injects.append(spec)
-    run, job, began = submit(work, f"chaos-{seed}", args, injects)
-    drive(run, job, faults, timeout)
-    wall = final(events(run))["t"] - began
-    verdict, rows = check(run, reference[0], faults, job)
+    chaos = Campaign(work, f"chaos-{seed}", args, faults)
+    chaos.submit()
+    wall = chaos.drive(timeout)
+    chaos.sync(events(chaos.run))
+    verdict, rows = check(chaos.run, reference[0], faults, chaos.jobs)
     report(seed, faults, rows, verdict, wall, reference[1])
     return verdict.clean, reference
 
