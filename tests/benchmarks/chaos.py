@@ -189,9 +189,9 @@ class Campaign:
         while time.monotonic() < deadline:
             evs = events(self.run)
             self.sync(evs)
-            job = self.jobs[-1]
-            if final(evs) and not in_queue(job) and not self.crashed:
-                return final(evs)["t"] - self.began
+            job, end = self.jobs[-1], final(evs)
+            if end and not self.crashed and not in_queue(job):
+                return end["t"] - self.began
             for node, at, when in list(self.crashed):  # back (a repaired machine) once a later attempt has trained,
                 # or after REPAIR_SECONDS: a run that needs it back (no spare left) waits for it meanwhile
                 if any(e["event"] == "attempt.first_step" and e["attempt"] > at for e in evs) or final(evs) or \
@@ -202,16 +202,19 @@ class Campaign:
             attempt = current_attempt(evs)
             if fault is not None and attempt is not None and self.due(fault, evs, attempt["attempt"]):
                 self.fire(fault, attempt["attempt"], evs)
-            elif not in_queue(job) and not final(evs) and self.stopped(evs):
+            elif not end and self.resume_due(job):
                 self.submit(resume=True)  # what a user does after the supervisor was killed
                 print(f"  resumed: job {self.jobs[-1]}", flush=True)
-            time.sleep(0.2)
+            time.sleep(0.5)
         raise TimeoutError(f"{self.run}: not done in {timeout:.0f} s")
 
-    def stopped(self, evs: list[dict]) -> bool:
+    def resume_due(self, job: str) -> bool:
+        """A supervisor was killed, its job has left the queue and the run says it stopped (not yet resumed)."""
         killed = [f for f in self.faults if f.kind == "supervisor_kill" and f.at is not None]
-        return bool(killed) and len(self.jobs) <= len(killed) and \
-            status_json(self.run).get("state") == "stopped"
+        if not killed or len(self.jobs) > len(killed) or in_queue(job):
+            return False
+        time.sleep(1.5)  # status is a command: asked every 2 s, not every round
+        return status_json(self.run).get("state") == "stopped"
 
     def due(self, fault: Fault, evs: list[dict], n: int) -> bool:
         """Once every fault before it has fired: a node crash or a supervisor kill when rank 0 of the current
@@ -222,8 +225,9 @@ class Campaign:
         if not (self.run / "attempts" / str(n) / "attempt.json").exists():
             return False
         trained = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
-        if fault.kind in ("node_crash", "supervisor_kill"):
-            return trained and rank0_step(self.run) >= fault.step
+        ended = any(e["event"] == "attempt.ended" and e["attempt"] == n for e in evs)
+        if fault.kind in ("node_crash", "supervisor_kill"):  # into a live attempt, not one already ending
+            return trained and not ended and rank0_step(self.run) >= fault.step
         previous = self.faults[fault.index - 1]
         return n > previous.attempt and not trained
 
