@@ -99,8 +99,14 @@ def check_order(token: str, nonce: str, line: bytes) -> dict | None:
 
 
 def warm_up() -> float:
-    """Everything a rank imports before its coordinator matters; returns the seconds it took."""
+    """Everything a rank imports before its coordinator matters; returns the seconds it took. What the agent sets
+    before MaxText's import is set first here too: MaxText reads MAXTEXT_ASSETS_ROOT once, when it is imported (a
+    standby that imported it without, failed as a rank: "Failed to load sentencepiece tokenizer from
+    tokenizer.default", found by the fault campaign)."""
     started = time.monotonic()
+    from rkit.runtime.trainers.maxtext import set_assets_root
+
+    set_assets_root(os.environ)
     import jax  # noqa: F401 - no backend is initialised by the import
     import orbax.checkpoint  # noqa: F401
     from absl import app  # noqa: F401
