@@ -471,6 +471,36 @@ def test_a_task_srun_ended_after_another_failed_is_marked_so(tmp_path):
     assert handle.launch_failed is None
 
 
+def test_a_task_killed_inside_its_container_is_a_signal_not_an_exit_code(tmp_path):
+    """srun --container (and apptainer exec) report a task SIGKILLed inside the container as "Exited with exit code
+    137": rkit called it task_exit. 128+N is signal N, as the shell and every OCI runtime have it (found by the fault
+    campaign on the test bed); a plain exit code stays one, and a step without a container keeps 137 as given."""
+    from rkit.backends.local.launcher import Container, LocalBackend
+    from rkit.backends.slurm.launcher import SlurmStepBackend, StepHandle, StepRequest
+    from rkit.contract.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    log = tmp_path / "srun.log"
+    log.write_text("srun: error: c2: task 1: Exited with exit code 137\nsrun: error: c1: task 0: Exited with exit "
+                   "code 3\n")
+    outcomes = {}
+    for argv in (["srun", "--container=/x/cpu.sif", "python"], ["srun", "apptainer", "exec", "/x/cpu.sif", "python"],
+                 ["srun", "python"]):
+        request = StepRequest(attempt=1, argv=argv, env={"RKIT_RUN_DIR": str(run.path), "RKIT_NPROCS": "2"},
+                              nodes=["c1", "c2"], log=log, cwd=tmp_path, processes=2)
+        exits = SlurmStepBackend(nodes_per_step=2, tasks_per_node=1).poll(StepHandle.cold(request, _done("false")))
+        outcomes[argv[1]] = (exits[1].returncode, exits[1].describe(), exits[0].returncode)
+    assert outcomes["--container=/x/cpu.sif"] == outcomes["apptainer"] == (
+        -signal.SIGKILL, "killed by SIGKILL (exit code 137 from its container)", 3)
+    assert outcomes["python"] == (137, "exited with code 137", 3)
+    killed = RankExit.in_container(1, 137, "c2")
+    assert killed.as_record() == {"exit_code": None, "signal": "SIGKILL", "node": "c2", "container_exit_code": 137}
+    local = LocalBackend(container=Container("apptainer", "/x/cpu.sif"))
+    assert (local._exit(1, 134).signal_name, local._exit(1, 3).returncode) == ("SIGABRT", 3)
+    assert LocalBackend()._exit(1, 137).returncode == 137
+
+
 def test_slurms_oom_kill_report_makes_the_task_out_of_memory(tmp_path):
     from rkit.backends.slurm.launcher import SlurmStepBackend, StepHandle, StepRequest
     from rkit.contract.rundir import RunDir

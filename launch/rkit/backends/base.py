@@ -40,6 +40,16 @@ class RankExit:
     # The launcher ended it after another rank had failed (srun --kill-on-bad-exit): its signal is srun's, and the
     # exit it was making of its own, if any, is lost.
     ended_by_launcher: bool = False
+    container_code: int | None = None  # the exit code its container runtime gave for the signal (137: SIGKILL)
+
+    @classmethod
+    def in_container(cls, rank: int, code: int, node: str | None = None) -> RankExit:
+        """A rank's exit as its container runtime reports it (apptainer exec, srun --container through an OCI
+        runtime): 128+N is the process inside killed by signal N, the convention of the shell and of every OCI
+        runtime (runc, crun, apptainer), so a SIGKILL reads as a signal, not as `exit(137)`."""
+        if 128 < code <= 128 + 64:
+            return cls(rank, -(code - 128), node, container_code=code)
+        return cls(rank, code, node)
 
     @property
     def signal_name(self) -> str | None:
@@ -53,11 +63,14 @@ class RankExit:
     def describe(self) -> str:
         if self.ended_by_launcher:
             return f"was ended by the launcher ({self.signal_name}) after another rank failed"
+        if self.signal_name and self.container_code is not None:
+            return f"killed by {self.signal_name} (exit code {self.container_code} from its container)"
         return f"killed by {self.signal_name}" if self.signal_name else f"exited with code {self.returncode}"
 
     def as_record(self) -> dict:
         return {"exit_code": self.returncode if self.returncode >= 0 else None, "signal": self.signal_name,
-                "node": self.node, **({"ended_by_launcher": True} if self.ended_by_launcher else {})}
+                "node": self.node, **({"ended_by_launcher": True} if self.ended_by_launcher else {}),
+                **({"container_exit_code": self.container_code} if self.container_code is not None else {})}
 
 
 class NotEnoughNodes(Exception):

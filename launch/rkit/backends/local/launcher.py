@@ -173,12 +173,15 @@ class LocalBackend:
         """Ranks that have exited so far (in the order noticed)."""
         for rank, proc in handle.procs.items():
             if rank not in handle.exits and proc.poll() is not None:
-                handle.exits[rank] = RankExit(rank, proc.returncode)
+                handle.exits[rank] = self._exit(rank, proc.returncode)
                 # Anything the rank started dies with it.
                 self._signal_group(proc, signal.SIGKILL)
         if len(handle.exits) == len(handle.procs):
             handle.release()
         return handle.exits
+
+    def _exit(self, rank: int, code: int) -> RankExit:
+        return RankExit.in_container(rank, code) if self.container is not None else RankExit(rank, code)
 
     def running(self, handle: LocalAttempt) -> list[int]:
         self.poll(handle)
@@ -205,7 +208,7 @@ class LocalBackend:
         self.signal_all(handle, signal.SIGKILL)
         for rank, proc in handle.procs.items():
             proc.wait()
-            handle.exits.setdefault(rank, RankExit(rank, proc.returncode))
+            handle.exits.setdefault(rank, self._exit(rank, proc.returncode))
             self._signal_group(proc, signal.SIGKILL)
         handle.release()
 

@@ -147,6 +147,12 @@ class StepHandle(Handle):
                 self.exits.setdefault(rank, rank_exit)
         return self.exits
 
+    @property
+    def _contained(self) -> bool:
+        """Its tasks run in a container (srun --container, or apptainer exec): an exit code 128+N is signal N."""
+        argv = self.request.argv if self.request is not None else []
+        return any(a.startswith("--container=") for a in argv) or "apptainer" in argv
+
     def _classify(self, part: StepPart, code: int) -> dict[int, RankExit]:
         text = part.log.read_text(encoding="utf-8", errors="replace") if part.log.exists() else ""
         exits: dict[int, RankExit] = {}
@@ -157,7 +163,9 @@ class StepHandle(Handle):
                 m = re.search(r"exit code (\d+)", what)
                 sig = re.search(r"Killed|Terminated|[Ss]egmentation|Aborted|signal (\d+)|Out Of Memory", what)
                 if m:
-                    exits.setdefault(rank, RankExit(rank, int(m.group(1)), node))
+                    code = int(m.group(1))
+                    exits.setdefault(rank, RankExit.in_container(rank, code, node) if self._contained
+                                     else RankExit(rank, code, node))
                 elif sig:
                     by_srun = ending is not None and task.start() > ending.start() and sig.group(0) in (
                         "Killed", "Terminated")
