@@ -163,6 +163,9 @@ class FakeBackend:
             elif rank == 0 and (lag := self.script.at("peerlag", handle.attempt, step)):
                 peer_lag(self.run, handle, step, lag[0])
                 self.peer_failed_at = self.sup_ref[0].clock.now
+            elif rank == 0 and self.script.at("jaxabort", handle.attempt, step):
+                jax_abort(self.run, handle, step)
+                self.peer_failed_at = self.sup_ref[0].clock.now
             elif rank == 0 and self.script.at("peeronly", handle.attempt, step):
                 peer_race(self.run, handle, step, (handle.attempt,), silent=True)
             elif rank == 1 and (said := self.script.at("raise", handle.attempt, step)):
@@ -281,6 +284,28 @@ def peer_lag(run: RunDir, handle: FakeHandle, step: int, polls: int) -> None:
     handle.exits[0] = RankExit(0, 1, "n1")
     handle.silent.add(1)
     handle.late[1] = [polls, RankExit(1, -signal.SIGKILL, "n2")]
+
+
+# Rank 0's log when rank 1 was stopped (SIGSTOP) on the test bed (the fault campaign, tests/benchmarks/chaos.py):
+# JAX's coordination service stopped hearing rank 1, told rank 0, and rank 0 aborted (LOG(FATAL), then abort()).
+JAX_ABORT = ("E1207 18:30:31.946216      22 coordination_service.cc:1518] [4913097329315690653] Use error polling to "
+             "propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped "
+             "sending heartbeats):\n1\nThe tasks have crashed. Check the task logs for an earlier error, or scheduler "
+             "events (e.g. preemption, eviction) to debug further.\n"
+             "F1207 18:30:31.946840      33 client.h:86] Terminating process because the JAX distributed service "
+             "detected fatal errors. This most likely indicates that another task died; see the other task logs for "
+             "more details. absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending "
+             "heartbeats):\n1\nThe tasks have crashed.\nFatal Python error: Aborted\n\nThread 0x00007faa2bca8780 "
+             "(most recent call first):\n  File \"multihost_utils.py\", line 121 in _handle_array_process_allgather\n")
+
+
+def jax_abort(run: RunDir, handle: FakeHandle, step: int) -> None:
+    """Rank 1 stops (it never exits); JAX's coordination service aborts rank 0 for it (134)."""
+    log = run.rank_log(handle.attempt, 0)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"I1207 completed step: {step}\n{JAX_ABORT}")
+    handle.exits[0] = RankExit(0, 134, "n1")
+    handle.silent.add(1)
 
 
 def commit(run: RunDir, step: int) -> None:
@@ -599,6 +624,22 @@ def test_a_peer_that_never_exits_holds_the_verdict_only_for_the_grace(tmp_path):
     assert (outcome.cause, outcome.rank) == (Cause.TASK_EXIT, 0) and "Connection reset by peer" in outcome.error
     waited = sup.clock.now - backend.peer_failed_at
     assert PEER_GRACE_SECONDS <= waited < 3 * PEER_GRACE_SECONDS, waited
+
+
+def test_a_rank_jax_aborted_for_a_silent_peer_is_not_the_culprit_the_stopped_peer_is_hung(tmp_path):
+    """The fault campaign (hang:rank=1 on the test bed): rank 1 stopped, JAX's coordination service aborted rank 0
+    for it 49 s later, and the attempt was put down to rank 0 ("exited with code 134: Fatal Python error: Aborted")
+    instead of the hang of rank 1. Once the grace for rank 1's own exit has run out, rank 1, which JAX named and
+    which still runs, is the hang; rank 0's words are JAX's fatal line, not Python's report of the abort."""
+    sup, backend = make(tmp_path, Script(jaxabort=(1, 6)))
+    outcome = attempt(sup)
+    assert (outcome.cause, outcome.rank) == (Cause.HANG, 1), outcome.detail
+    assert outcome.detail.startswith("hang: rank 1 stopped sending heartbeats to JAX's coordination service and did "
+                                     "not exit (last step 5); rank 0 exited with code 134 on it: F1207 ")
+    assert "Terminating process because the JAX distributed service detected fatal errors" in outcome.detail
+    [hang] = events(sup.run, EV.ATTEMPT_HANG)
+    assert hang["rank"] == 1 and hang["ranks"] == [1] and hang["seconds_silent"] > 0
+    assert sup.clock.now - backend.peer_failed_at >= PEER_GRACE_SECONDS  # rank 1 had its chance to exit
 
 
 def test_a_sigkill_the_launcher_sent_is_not_read_as_the_oom_killers(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from rkit.run import oomkills
-from rkit.run.ranklogs import rank_error
+from rkit.run.ranklogs import PEER_FAILED, jax_silent_tasks, rank_error
 
 
 def log(tmp_path: Path, text: str) -> Path:
@@ -67,6 +67,25 @@ def test_an_injected_fault_is_the_ranks_words_and_a_broken_collective_is_a_peers
     for own in ("ValueError: 'learning_rat' not in config", "jax.errors.JaxRuntimeError: INTERNAL: boom",
                 "F1201 pjrt.cc:9] Check failed: buffer != nullptr"):
         assert not PEER_FAILED.search(own)
+
+
+def test_an_abort_after_jaxs_fatal_line_says_the_fatal_line_and_names_the_silent_tasks(tmp_path):
+    """LOG(FATAL) then abort(): Python's "Fatal Python error: Aborted" is the consequence, the fatal line before it
+    the reason (a peer gone silent: a peer's words); the tasks JAX names are read as ranks."""
+    from .test_attempt_loop import JAX_ABORT
+
+    path = log(tmp_path, f"I1207 completed step: 54\n{JAX_ABORT}")
+    said = rank_error(path)
+    assert said.startswith("F1207 18:30:31.946840      33 client.h:86] Terminating process because the JAX "
+                           "distributed service detected fatal errors") and PEER_FAILED.search(said)
+    assert jax_silent_tasks(path) == {1}
+    # a task name, several of them, and a log that names none
+    named = log(tmp_path, "E1207 x] UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n"
+                          "/job:jax_worker/replica:0/task:3\n/job:jax_worker/replica:0/task:12\nThe tasks have "
+                          "crashed.\nF1207 y] Terminating process\n")
+    assert jax_silent_tasks(named) == {3, 12}
+    assert jax_silent_tasks(log(tmp_path, "F1207 x] Check failed: a == b\nFatal Python error: Aborted\n")) == set()
+    assert rank_error(log(tmp_path, "I1207 x\nFatal Python error: Aborted\n")) == "Fatal Python error: Aborted"
 
 
 def test_credentials_in_the_error_are_masked(tmp_path):

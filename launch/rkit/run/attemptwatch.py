@@ -20,7 +20,7 @@ from rkit.contract.rundir import RunDir, filesystem
 from rkit.run import preflight
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import Progress
-from rkit.run.ranklogs import OUT_OF_MEMORY, PEER_FAILED, LogScan, last_error_lines, rank_error
+from rkit.run.ranklogs import OUT_OF_MEMORY, PEER_FAILED, LogScan, jax_silent_tasks, last_error_lines, rank_error
 from rkit.run.stragglers import StragglerWatch
 from rkit.run.watchdog import HangPolicy, HangWatch
 from rkit.runtime.telemetry.metrics import MetricsTail
@@ -225,6 +225,20 @@ class AttemptWatch:
         if self.peer_wait_since is None:
             self.peer_wait_since = now
         return now - self.peer_wait_since < PEER_GRACE_SECONDS
+
+    def silent_peers(self, failed: list[RankExit], running: list[int]) -> tuple[int, ...]:
+        """Once the peer grace has run out (`culprit_may_lag`): the ranks still running that JAX's coordination
+        service named, in the logs of failed ranks that only blame a peer, as having stopped sending heartbeats.
+        Such a rank is hung (stopped, or its process frozen): the ranks JAX aborted for it are not the culprits."""
+        if not failed or not running or self.peer_wait_since is None \
+                or self.sup.clock() - self.peer_wait_since < PEER_GRACE_SECONDS:
+            return ()
+        named: set[int] = set()
+        for rank_exit in failed[:CULPRIT_LOGS]:
+            if not self.peer_words.get(rank_exit.rank):
+                return ()
+            named |= jax_silent_tasks(self.sup.run.rank_log(self.attempt, rank_exit.rank))
+        return tuple(sorted(named & set(running)))
 
     def jax_peer_lost(self, force: bool) -> str | None:
         """A rank's log line saying JAX's coordination service declared a process dead."""

@@ -49,11 +49,22 @@ class Exclusions:
                       **({"withheld": True} if withheld else {}))
         return elastic.size_for(self.config, len(healthy)) is None
 
-    def readmit(self, *, requeue: bool) -> list[str]:
-        """Ask excluded nodes again (before a requeue all, else those excluded RECHECK_AFTER seconds ago or more);
-        the ones that answer rejoin. Returns them."""
+    def rescue(self, keep_out: list[str]) -> bool:
+        """Too few healthy nodes are left after excluding `keep_out`: before the allocation is given up for a
+        requeue, the nodes excluded earlier are asked again (a repaired node answers; the fault campaign's second
+        node crash requeued the job 0.1 s before the first node, back for a minute, rejoined). True when enough
+        answered for the job to go on."""
+        earlier = [n for n in self.backend.exclude if n not in keep_out]
+        if earlier:
+            self.readmit(requeue=True, nodes=earlier)
+        return elastic.size_for(self.config, len(self.backend.healthy_nodes())) is not None
+
+    def readmit(self, *, requeue: bool, nodes: list[str] | None = None) -> list[str]:
+        """Ask excluded nodes again (before a requeue all, else those excluded RECHECK_AFTER seconds ago or more;
+        `nodes`: those); the ones that answer rejoin. Returns them."""
         now = self.clock()
-        due = [n for n in self.backend.exclude if requeue or now - self.checked.get(n, float("-inf")) >= RECHECK_AFTER]
+        due = [n for n in self.backend.exclude if n in nodes] if nodes is not None else [
+            n for n in self.backend.exclude if requeue or now - self.checked.get(n, float("-inf")) >= RECHECK_AFTER]
         if not due:
             return []
         said = self.backend.recheck(due)

@@ -320,6 +320,8 @@ class Observation:
     port_in_use: str | None = None  # before the first step: rank 0's log says the coordinator could not listen
     resumed_from: int | None = None
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
+    silent_peers: tuple[int, ...] = ()  # running ranks JAX's coordination service named silent to the failed ones
+    silent_seconds: float | None = None  # how long the first of them has made no step progress
     final_step: int = 0
     final_committed: bool = False  # read once every rank has exited
 
@@ -397,6 +399,16 @@ def classify(obs: Observation) -> Ending | None:
         return Ending(Cause.HANG, f"hang: rank {rank} made no step progress for {hang.seconds_silent:.0f} s "
                                   f"(timeout {hang.timeout:.0f} s, last step {_fmt(last)})", Stop.HANG,
                       rank=rank, step=last)
+    if failed and obs.silent_peers and not obs.failed_nodes and not obs.launch_failed:
+        # The failed ranks only say that JAX's coordination service lost a peer's heartbeats, and that peer still
+        # runs: it is hung (stopped or frozen); the ranks JAX aborted for it are not to blame.
+        rank = obs.silent_peers[0]
+        ended = next((e for e in failed if e.rank == obs.culprit), failed[0])
+        last = obs.last_steps.get(rank)
+        return Ending(Cause.HANG, f"hang: rank {rank} stopped sending heartbeats to JAX's coordination service and "
+                                  f"did not exit (last step {_fmt(last)}); rank {ended.rank} {ended.describe()} on "
+                                  f"it{': ' + obs.rank_error if obs.rank_error else ''}", Stop.HANG, rank=rank,
+                      step=last)
     if failed and obs.launch_failed:  # never a rank's exit code, never a crash loop: the nodes it names are left out
         lost = tuple(obs.failed_nodes)
         on = f" on {', '.join(lost)}" if lost else ""

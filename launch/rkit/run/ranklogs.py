@@ -182,6 +182,7 @@ TRACEBACK_FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
 EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Fault)"
                             r"(?::\s.*)?$")
 LOG_LINE = re.compile(r"^[IWEF]\d{4} |^\d{4}-\d\d-\d\d[ T]")  # absl/glog's, or a timestamped logger's
+FATAL_LINE = re.compile(r"^F\d{4} ")  # absl/glog's LOG(FATAL), which then aborts the process
 # Lines a rank's own runtime prints on a fatal error when no Python exception does: absl/glog fatal and error
 # lines (XLA, gRPC, TensorStore), Orbax's and XLA's RESOURCE_EXHAUSTED / DATA_LOSS.
 RUNTIME_ERROR = re.compile(r"^[FE]\d{4} |Check failed|RESOURCE_EXHAUSTED|DATA_LOSS|INTERNAL:|Segmentation fault|"
@@ -194,6 +195,28 @@ PEER_FAILED = re.compile(r"Gloo \w+ failed|Connection reset by peer|Connection c
 # Out of memory in the rank's own words: Python's MemoryError, XLA's allocator (host or device), the C++ runtime.
 OUT_OF_MEMORY = re.compile(r"\bMemoryError\b|RESOURCE_EXHAUSTED: Out of memory|[Oo]ut of memory (?:while|trying)"
                            r"|std::bad_alloc|Cannot allocate memory|hipErrorOutOfMemory|CUDA_ERROR_OUT_OF_MEMORY")
+
+
+JAX_SILENT_TASKS = "stopped sending heartbeats):"
+JAX_TASK_ID = re.compile(r"task:(\d+)|^(\d+(?:\s*,\s*\d+)*)$")
+
+
+def jax_silent_tasks(path: Path, tail_bytes: int = 65536) -> set[int]:
+    """The processes JAX's coordination service named in a rank's log as having stopped sending heartbeats (its
+    error lists them after "The following tasks are unhealthy (stopped sending heartbeats):", one a line, as a
+    task id or a task name ending in task:<id>); empty when the log names none."""
+    text = tail_text(path, tail_bytes)
+    if text is None or JAX_SILENT_TASKS not in text:
+        return set()
+    after = text[text.rindex(JAX_SILENT_TASKS) + len(JAX_SILENT_TASKS):].splitlines()
+    named: set[int] = set()
+    for line in after[1:9] if after and not after[0].strip() else after[:8]:
+        line = line.strip()
+        if not line or line.startswith("The tasks have") or LOG_LINE.match(line):
+            break
+        for m in JAX_TASK_ID.finditer(line):
+            named.update(int(x) for x in (m.group(1) or m.group(2)).split(","))
+    return named
 
 
 def rank_error(path: Path, tail_bytes: int = 65536) -> str | None:
@@ -223,8 +246,13 @@ def rank_error(path: Path, tail_bytes: int = 65536) -> str | None:
                 more.append(line)
             found = " | ".join([lines[at], *more[:2]])
     if found is None:
-        found = next((line for line in reversed(lines) if RUNTIME_ERROR.search(line)
-                      or OUT_OF_MEMORY.search(line)), None)
-    if found is None:
-        return None
+        at = next((i for i in range(len(lines) - 1, -1, -1) if RUNTIME_ERROR.search(lines[i])
+                   or OUT_OF_MEMORY.search(lines[i])), None)
+        if at is None:
+            return None
+        found = lines[at]
+        if found.startswith("Fatal Python error: Aborted"):
+            # Python's words for the abort() that absl/glog's LOG(FATAL) ends with: the fatal line before it says
+            # why (JAX's coordination service: "Terminating process because ... another task died").
+            found = next((lines[i] for i in range(at - 1, -1, -1) if FATAL_LINE.match(lines[i])), found)
     return redact_value(found, REDACTED)[:400]

@@ -297,6 +297,8 @@ class Supervisor:
                 preflight.quarantine(self.run, committed_before if said is None else said[0], ending.detail)
         committed_after = maxtext.latest_committed_step(self.run)
         too_few = self.exclusions.add(list(ending.exclude)) if ending.exclude else False
+        if too_few and not ending.requeue:  # a node excluded earlier may be back: asked before the job is given up
+            too_few = not self.exclusions.rescue(list(ending.exclude))
         requeue = ending.requeue or too_few
         # Saved means a checkpoint at or after the step the save was asked at: nothing is recomputed (a period
         # save that committed meanwhile is not the preemption save). A saved preemption is a planned end.
@@ -386,6 +388,9 @@ class Supervisor:
             culprit=culprit.rank if culprit else None, rank_error=said, out_of_memory=oom,
             port_in_use=watch.port_in_use(force=failed),
             stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
+            silent_peers=(silent := watch.silent_peers(failures, [r for r in range(self.processes) if r not in exits])),
+            silent_seconds=round(self.clock() - watch.hang.last_progress[silent[0]], 3)
+            if silent and silent[0] in watch.hang.last_progress else None,
             final_step=self.config.trainer.final_step,
             final_committed=everyone_exited and not failed and self.final_committed())
 
@@ -432,10 +437,12 @@ class Supervisor:
                           nodes: list[str]) -> None:
         """Stack dumps where possible, then SIGKILL."""
         hang, stopped = observed.hang, list(observed.stopped)
-        ranks = hang.ordered(stopped)
+        # Seen by the hang watch, or named by JAX's coordination service to the ranks it aborted (silent_peers)
+        ranks = hang.ordered(stopped) if hang is not None else list(observed.silent_peers)
+        silent = hang.seconds_silent if hang is not None else observed.silent_seconds
         self.run.emit(EV.ATTEMPT_HANG, attempt=attempt, rank=ending.rank, ranks=ranks, stopped_ranks=stopped,
                       node=nodes[0] if len(nodes) == 1 else None, last_step=ending.step,
-                      seconds_silent=hang.seconds_silent, timeout=hang.timeout)
+                      seconds_silent=silent, timeout=hang.timeout if hang is not None else None)
         dumps = self.backend.dump_stacks(handle, self.run.stacks_dir(attempt), stopped)
         self.run.emit(EV.ATTEMPT_STACKS_DUMPED, attempt=attempt, how=dumps)
         # Killed at once: a hung collective does not save, and a SIGTERM with the SIGCONT a stopped rank needs to
