@@ -246,10 +246,12 @@ class Campaign:
             print(f"  fired {fault.describe()}: supervisor {proc.pid} killed in attempt {n}", flush=True)
             return
         nodes = json.loads((self.run / "attempts" / str(n) / "attempt.json").read_text())["launch"]["nodes"]
-        fault.node, fault.at = nodes[1], time.time()
+        fault.node, began = nodes[1], time.time()
         testbed("crash", fault.node)
+        fault.at = time.time()  # the node is gone once the command returns (it kills the node's every process)
         self.crashed.append((fault.node, n, fault.at))
-        print(f"  fired {fault.describe()}: {fault.node} crashed in attempt {n}", flush=True)
+        print(f"  fired {fault.describe()}: {fault.node} crashed in attempt {n} (the crash took "
+              f"{fault.at - began:.1f} s)", flush=True)
 
 
 def in_queue(job: str) -> bool:

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from rkit.contract.events import EV
 from rkit.contract.rundir import RunDir
 from rkit.readers import status as run_status
 from rkit.readers.watch import watch as live_view
 from rkit.run.lock import RunLock
+from rkit.run.policy import RunState
 
 from .synthetic_run import T0, write_run
 
@@ -257,3 +259,34 @@ def test_watch_draws_its_first_frame_from_the_tails_before_the_history_is_read(r
                         lambda s, now: order.append(("frame", s["goodput"] is None)) or real_render(s, now))
     live_view(run, console=Console(file=io.StringIO(), width=120), sleep=lambda s: None, clock=lambda: T0 + 130)
     assert order[:3] == [("frame", True), "status", ("frame", False)]
+
+
+@pytest.mark.parametrize("squeue,said", [
+    (None, "Slurm could not be asked about job 42 (squeue could not be run: No such file or directory)"),
+    ("echo 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2; exit 1",
+     "Slurm could not be asked about job 42 (squeue failed: slurm_load_jobs error: Unable to contact slurm "
+     "controller (connect failure))"),
+    ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", "resume with `"),
+    ("exit 0", "resume with `"),
+])
+def test_a_slurm_run_whose_job_squeue_cannot_see_is_not_called_gone(tmp_path: Path, monkeypatch, squeue, said):
+    """`rkit status` run where squeue is not on PATH (or the controller does not answer) said "stopped ... resume
+    with rkit run --resume" of a run Slurm was about to requeue (the fault campaign's status reading): only a job
+    squeue says it does not know (or does not list) has gone."""
+    from rkit.readers.status import run_state, slurm_info
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if squeue is not None:
+        (bin_dir / "squeue").write_text(f"#!/bin/sh\n{squeue}\n")
+        (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.emit(EV.JOB_SUBMITTED, job_id="42")
+    run.emit(EV.ATTEMPT_STARTED, attempt=1, resume_from_step=None)
+    evs = run.events()
+    info = slurm_info(evs)
+    state, reason = run_state(run, evs, info)
+    assert state is RunState.STOPPED and said in reason, reason
+    assert info["asked"] is (said == "resume with `")

@@ -143,6 +143,7 @@ def slurm_info(events: list[dict] | StatusFold) -> dict[str, Any] | None:
     live = slurm.job_state(job)
     started = [e for e in fold.jobs_started if e.get("job_id") == job]
     return {"job_id": job, "state": live.get("state", "gone (not in the queue)"), "reason": live.get("reason"),
+            "asked": live.get("state") != slurm.UNASKED,  # False: squeue could not say (missing, no controller)
             "nodes": live.get("nodes") or (started[-1].get("allocation") if started else None),
             "excluded_nodes": fold.excluded,
             # SLURM_RESTART_COUNT counts every requeue of the job, Slurm's own (node failure) and rkit's.
@@ -164,6 +165,10 @@ def run_state(run: RunDir, events: list[dict] | StatusFold, slurm: dict[str, Any
         return RunState.PENDING if slurm["state"] != "RUNNING" else RunState.RUNNING, \
             f"Slurm job {slurm['job_id']} is {slurm['state']}" + (f" ({slurm['reason']})" if slurm["reason"]
                                                                    and slurm["reason"] != "None" else "")
+    if slurm and not slurm.get("asked", True):  # not "stopped, resume it": Slurm may hold or requeue it still
+        return RunState.STOPPED, (f"the supervisor is not running here and Slurm could not be asked about job "
+                                  f"{slurm['job_id']} ({slurm['reason']}); see `squeue -j {slurm['job_id']}` before "
+                                  f"resuming: Slurm may still hold, run or requeue it")
     if final_committed:  # the final word was lost (a cut last line of events.jsonl), the checkpoint was not
         return RunState.FINISHED, ("the final step is committed (events.jsonl has no final word from the supervisor: "
                                    "its last line may have been cut)")

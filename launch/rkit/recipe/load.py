@@ -120,7 +120,7 @@ def _schema_problems(data: dict) -> list[Problem]:
         path = tuple(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             allowed = sorted(_schema_at(path).get("properties", {}))
-            for extra in sorted(set(err.instance) - set(allowed)):
+            for extra in sorted(set(err.instance) - set(allowed), key=str):  # a YAML key may be null or a number
                 near = difflib.get_close_matches(str(extra), allowed, n=1)
                 hint = f" Did you mean '{near[0]}'?" if near else ""
                 problems.append(Problem(dotted(path + (extra,)),

@@ -21,6 +21,7 @@ from rkit.backends import gpu_health, shared_paths
 from rkit.backends.base import NotEnoughNodes, RankExit, wait_for_dump
 from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's queries, used through this module too
     JOB_ID,
+    UNASKED,
     cancel,
     check_container_launch,
     checked_job_id,

@@ -104,9 +104,24 @@ def submitted_job_id(events: list[dict], where: str) -> str | None:
     return checked_job_id(ids[-1], f"{where} (job.submitted)") if ids else None
 
 
+UNASKED = "UNKNOWN"  # job_state's state when squeue could not be asked (missing, no controller, no answer)
+
+
 def job_state(job_id: str) -> dict[str, str]:
-    """State, reason, nodes and restart count of a job as squeue sees it; {} when it left the queue."""
-    out = slurm_output(["squeue", "-h", "-j", checked_job_id(job_id), "-o", "%T|%r|%N|%D"])
+    """State, reason, nodes and restart count of a job as squeue sees it; {} when it left the queue; state
+    UNASKED, with why as the reason, when squeue could not say (not on PATH, the controller not answering): a job
+    that may well be queued is not taken for one that has gone."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", checked_job_id(job_id), "-o", "%T|%r|%N|%D"],
+                              capture_output=True, text=True, timeout=30, check=False)
+    except OSError as exc:
+        return {"state": UNASKED, "reason": f"squeue could not be run: {exc.strerror or exc}"}
+    except subprocess.TimeoutExpired:
+        return {"state": UNASKED, "reason": "squeue did not answer within 30 s"}
+    out = done.stdout if done.returncode == 0 else ""
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:  # gone from the controller's memory: gone
+        said = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return {"state": UNASKED, "reason": f"squeue failed: {said[:200]}"}
     if not out.strip():
         return {}
     state, reason, nodes, count = (out.strip().splitlines()[0].split("|") + ["", "", "", ""])[:4]
