@@ -509,8 +509,8 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rkit-chaos-", dir="/tmp")))
         work.mkdir(parents=True, exist_ok=True)
-        if not (work / "data").exists():
-            sampledata.make(work / "data")
+        if not (work / "data").exists():  # enough for the run: 2 files of 400 documents last about 380 steps
+            sampledata.make(work / "data", documents_per_file=400 * (-(-steps_for(args.faults) // 300)))
         stack.enter_context(slurm_timeouts(*args.timeouts.split(",")))
         reference = None
         for seed in seeds:

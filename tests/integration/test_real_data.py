@@ -230,3 +230,21 @@ def test_a_shrink_and_a_grow_back_consume_the_same_tokens_at_every_step(data_wor
     assert "same data: EXACT over 30 steps" in done.stdout, done.stdout
     assert "DIFFER" not in done.stdout, done.stdout
 
+
+
+def test_data_that_runs_out_before_the_last_step_gives_up_at_once_naming_it(data_workspace: Path):
+    """Budget: one cold start on a data set of 24 short documents, which runs out after about 10 steps.
+    Found by the fault campaign (tests/benchmarks/chaos.py): one process's data ended first, it stopped ("Training
+    stopped: You may have run out of training data"), its peer waited for it in a collective, and rkit called it a
+    hang and restarted it three times, each resuming at the same place in the data. Now the first attempt ends as
+    soon as the line is written, and the run gives up with what to do (a new attempt would run out again)."""
+    short = data_workspace / "data" / "short-text"
+    sampledata.make(short, documents_per_file=12, files=2)
+    run = run_grain(data_workspace, "grain-short", "-o",
+                    f"trainer.overrides.grain_train_files={short}/train-*.array_record", expect=1)
+    status = json.loads(rkit("status", "--json", str(run.path), check=0).stdout)
+    assert status["state"] == "gave up" and [a["cause"] for a in status["attempts"]] == ["out_of_data"]
+    assert "out of training data after step" in status["reason"] and "data ran out (MaxText: \"Training stopped: " \
+        "You may have run out of training data" in status["reason"], status["reason"]
+    assert "trainer.overrides.num_epoch" in status["reason"] and status["step"] < 29
+    assert not events(run, "attempt.hang")  # never waited out as a hang

@@ -20,6 +20,7 @@ from rkit.contract.rundir import RunDir, filesystem
 from rkit.run import preflight
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import Progress
+from rkit.run.ranklogs import LOG_LINE as LOG_PREFIX
 from rkit.run.ranklogs import OUT_OF_MEMORY, PEER_FAILED, LogScan, jax_silent_tasks, last_error_lines, rank_error
 from rkit.run.stragglers import StragglerWatch
 from rkit.run.watchdog import HangPolicy, HangWatch
@@ -244,6 +245,15 @@ class AttemptWatch:
         """A rank's log line saying JAX's coordination service declared a process dead."""
         hit = self.logs.scan(force).get("jax_peer_lost")
         return None if hit is None else f"{hit[1].name}: {hit[0]}"
+
+    def out_of_data(self, force: bool) -> str | None:
+        """A rank's log saying MaxText stopped training because its data ran out (which rank, and its line)."""
+        hit = self.logs.scan(force).get("out_of_data")
+        if hit is None:
+            return None
+        line, log = hit
+        said = line.split("] ", 1)[-1] if LOG_PREFIX.match(line) else line
+        return f"{log.stem.replace('-', ' ')}'s data ran out (MaxText: {said!r})"
 
     def port_in_use(self, force: bool) -> str | None:
         """Before the first step: a rank's log saying jax.distributed's coordinator could not listen."""

@@ -71,6 +71,8 @@ class Cause(enum.Enum):
                                      # suspect, not the saves; nothing quarantined, nothing started
     STEP_FAILED = "step_failed"      # the launcher could not start the ranks (Slurm refused the step, a node did
                                      # not take its tasks, the step ended before any rank's agent began)
+    OUT_OF_DATA = "out_of_data"      # a rank's training data ran out before the final step (MaxText's words): a
+                                     # new attempt resumes at the same place in the data; not retried
 
     @property
     def infrastructure(self) -> bool:
@@ -229,6 +231,12 @@ def decide(tally: Tally, outcome: Outcome, budgets: Budgets, final_committed: bo
                                         "nothing was quarantined and no attempt started (one would start over from "
                                         "scratch). Report it with the step's files listed; to train on, move the "
                                         "steps aside yourself and continue with `rkit run RECIPE --resume`"), tally
+    if outcome.cause is Cause.OUT_OF_DATA:
+        return Decision(Action.GIVE_UP, f"{outcome.detail}. The data set ends before trainer.steps: a new attempt "
+                                        "would resume at the same place in the data and run out again. Add data "
+                                        "(more files in trainer.overrides.grain_train_files), let MaxText repeat it "
+                                        "(trainer.overrides.num_epoch), or lower trainer.steps; then continue with "
+                                        "`rkit run RECIPE --resume`"), tally
     if outcome.cause is Cause.DISK_FULL:
         return Decision(Action.GIVE_UP, f"{outcome.detail}. A new attempt would fail the same way: free space "
                                         "(or raise the quota), then continue with `rkit run RECIPE --resume`"), tally
@@ -318,6 +326,7 @@ class Observation:
     rank_error: str | None = None  # the culprit's own last error line (its log)
     out_of_memory: str | None = None  # the culprit ran out of memory: where and how it was seen
     port_in_use: str | None = None  # before the first step: rank 0's log says the coordinator could not listen
+    out_of_data: str | None = None  # a rank's log: MaxText stopped training because its data ran out (the line)
     resumed_from: int | None = None
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (asked when a hang is seen)
     silent_peers: tuple[int, ...] = ()  # running ranks JAX's coordination service named silent to the failed ones
@@ -386,6 +395,10 @@ def classify(obs: Observation) -> Ending | None:
     if obs.port_in_use:  # the other ranks would wait out jax.distributed's initialization timeout
         return Ending(Cause.PORT_IN_USE, f"jax.distributed's coordinator could not listen: {obs.port_in_use}",
                       Stop.NOW, step=obs.step)
+    if obs.out_of_data and not obs.final_committed:
+        # One process's data ends first: it stops, and its peers wait for it in the next collective (a hang).
+        return Ending(Cause.OUT_OF_DATA, f"out of training data {_after(obs.step)}: {obs.out_of_data}", Stop.NOW,
+                      step=obs.step)
     if obs.preempt:
         return Ending(Cause.PREEMPTED, f"{obs.preempt} {_after(obs.step)} (time limit or preemption)",
                       Stop.SAVE, step=obs.step, requeue=True)

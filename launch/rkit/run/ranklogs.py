@@ -25,8 +25,10 @@ RESTORE_FAILED = re.compile(rb"DATA_LOSS|Error reading shard|NOT_FOUND: [^\n]*(?
 PORT_IN_USE = re.compile(rb"Failed to add port to server|Failed to start RPC server")
 # JAX's coordination service declared a process dead (its heartbeat_timeout_seconds): a peer's node may be gone.
 JAX_PEER_LOST = re.compile(rb"stopped sending heartbeats|heartbeat timeout\. This indicates that the remote task")
+# MaxText's data loader on the end of the training data (StopTraining, logged as "Training stopped: ...").
+OUT_OF_DATA = re.compile(rb"You may have run out of training data")
 PATTERNS = {"disk_full": DISK_FULL, "restore_failed": RESTORE_FAILED, "port_in_use": PORT_IN_USE,
-            "jax_peer_lost": JAX_PEER_LOST}
+            "jax_peer_lost": JAX_PEER_LOST, "out_of_data": OUT_OF_DATA}
 # A rank's own verdict on its failed restore (runtime/trainers/emergency.py, with a local tier): the step was
 # damaged, and in which tier (the rank moved a local copy aside itself); or the restore was broken off by something
 # else (a peer lost, memory, I/O), printed before its traceback, whose lines then say nothing of the step.
