@@ -163,8 +163,8 @@ class FakeBackend:
             elif rank == 0 and (lag := self.script.at("peerlag", handle.attempt, step)):
                 peer_lag(self.run, handle, step, lag[0])
                 self.peer_failed_at = self.sup_ref[0].clock.now
-            elif rank == 0 and self.script.at("jaxabort", handle.attempt, step):
-                jax_abort(self.run, handle, step)
+            elif rank == 0 and (how := self.script.at("jaxabort", handle.attempt, step)):
+                jax_abort(self.run, handle, step, srun_ends_it=how is not True)
                 self.peer_failed_at = self.sup_ref[0].clock.now
             elif rank == 0 and self.script.at("peeronly", handle.attempt, step):
                 peer_race(self.run, handle, step, (handle.attempt,), silent=True)
@@ -299,13 +299,17 @@ JAX_ABORT = ("E1207 18:30:31.946216      22 coordination_service.cc:1518] [49130
              "(most recent call first):\n  File \"multihost_utils.py\", line 121 in _handle_array_process_allgather\n")
 
 
-def jax_abort(run: RunDir, handle: FakeHandle, step: int) -> None:
-    """Rank 1 stops (it never exits); JAX's coordination service aborts rank 0 for it (134)."""
+def jax_abort(run: RunDir, handle: FakeHandle, step: int, srun_ends_it: bool = False) -> None:
+    """Rank 1 stops (it never exits); JAX's coordination service aborts rank 0 for it (SIGABRT in its container:
+    134). `srun_ends_it`: srun (--kill-on-bad-exit) then kills the stopped rank 1 at once, as on the test bed."""
     log = run.rank_log(handle.attempt, 0)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(f"I1207 completed step: {step}\n{JAX_ABORT}")
-    handle.exits[0] = RankExit(0, 134, "n1")
-    handle.silent.add(1)
+    handle.exits[0] = RankExit.in_container(0, 134, "n1")
+    if srun_ends_it:
+        handle.exits[1] = RankExit(1, -signal.SIGTERM, "n2", ended_by_launcher=True)
+    else:
+        handle.silent.add(1)
 
 
 def commit(run: RunDir, step: int) -> None:
@@ -635,11 +639,20 @@ def test_a_rank_jax_aborted_for_a_silent_peer_is_not_the_culprit_the_stopped_pee
     outcome = attempt(sup)
     assert (outcome.cause, outcome.rank) == (Cause.HANG, 1), outcome.detail
     assert outcome.detail.startswith("hang: rank 1 stopped sending heartbeats to JAX's coordination service and did "
-                                     "not exit (last step 5); rank 0 exited with code 134 on it: F1207 ")
+                                     "not exit (last step 5); rank 0 killed by SIGABRT (exit code 134 from its "
+                                     "container) on it: F1207 ")
     assert "Terminating process because the JAX distributed service detected fatal errors" in outcome.detail
     [hang] = events(sup.run, EV.ATTEMPT_HANG)
     assert hang["rank"] == 1 and hang["ranks"] == [1] and hang["seconds_silent"] > 0
     assert sup.clock.now - backend.peer_failed_at >= PEER_GRACE_SECONDS  # rank 1 had its chance to exit
+
+
+def test_a_silent_peer_srun_ended_at_once_is_still_the_hang(tmp_path):
+    """The campaign again, with srun --kill-on-bad-exit: the stopped rank 1 was ended by srun as soon as rank 0
+    aborted, so it never "still ran", and the attempt went to rank 0 (task_signal, SIGABRT)."""
+    sup, _ = make(tmp_path, Script(jaxabort=(1, 6, "srun")))
+    outcome = attempt(sup)
+    assert (outcome.cause, outcome.rank) == (Cause.HANG, 1), outcome.detail
 
 
 def test_a_sigkill_the_launcher_sent_is_not_read_as_the_oom_killers(tmp_path, monkeypatch):

@@ -274,3 +274,26 @@ def test_each_budget_refills_on_its_own_stretch():
 def test_the_window_and_the_planned_ends_are_replayed_on_resume():
     tally = Tally(1, 2, 0, (), None, 0, planned_ends=5, last_failure_at=700, refills=2, last_infra_at=650)
     assert tally_from_events([{"event": "attempt.ended", "tally": tally.as_dict()}]) == tally
+
+
+def test_data_that_ran_out_is_seen_before_the_hang_its_peers_make_and_is_not_retried():
+    """The fault campaign's reference run: one process's data ended at step 382 and its peer waited for it; five
+    hang restarts, each resuming at the same place in the data, until a crash loop. The line is the ending."""
+    from rkit.backends.base import RankExit
+    from rkit.run.policy import Observation, Stop, classify
+    from rkit.run.watchdog import Hang
+
+    said = "rank 1's data ran out (MaxText: 'Training stopped: You may have run out of training data.')"
+    hang = Hang(ranks=[0], last_steps={0: 382}, seconds_silent=61.0, timeout=60.0)
+    for exits in ((), (RankExit(1, 0),)):
+        ending = classify(Observation(processes=2, exits=exits, step=382, hang=hang, out_of_data=said))
+        assert (ending.cause, ending.stop) == (Cause.OUT_OF_DATA, Stop.NOW)
+        assert ending.detail == f"out of training data after step 382: {said}"
+    finished = classify(Observation(processes=2, exits=(RankExit(0, 0), RankExit(1, 0)), out_of_data=said,
+                                    final_committed=True))
+    assert finished.cause is Cause.COMPLETED  # the final step committed: the data lasted
+    decision, tally = decide(Tally(), Outcome(Cause.OUT_OF_DATA, 380, 380, "out of training data ...", step=382),
+                             BUDGETS, False)
+    assert decision.action is Action.GIVE_UP and tally == Tally()
+    assert "a new attempt would resume at the same place in the data and run out again" in decision.reason
+    assert "trainer.overrides.num_epoch" in decision.reason

@@ -86,6 +86,9 @@ def test_an_abort_after_jaxs_fatal_line_says_the_fatal_line_and_names_the_silent
     assert jax_silent_tasks(named) == {3, 12}
     assert jax_silent_tasks(log(tmp_path, "F1207 x] Check failed: a == b\nFatal Python error: Aborted\n")) == set()
     assert rank_error(log(tmp_path, "I1207 x\nFatal Python error: Aborted\n")) == "Fatal Python error: Aborted"
+    # Gloo's collectives with a hyphen in their name break the same way (a crashed node's peer, the campaign)
+    assert PEER_FAILED.search("ValueError: UNKNOWN: Gloo all-reduce failed: [gloo/transport/tcp/pair.cc:538] Read "
+                              "error [127.0.0.1]:4 Connection reset by peer".replace("Connection reset by peer", ""))
 
 
 def test_credentials_in_the_error_are_masked(tmp_path):

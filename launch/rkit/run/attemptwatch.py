@@ -228,18 +228,27 @@ class AttemptWatch:
         return now - self.peer_wait_since < PEER_GRACE_SECONDS
 
     def silent_peers(self, failed: list[RankExit], running: list[int]) -> tuple[int, ...]:
-        """Once the peer grace has run out (`culprit_may_lag`): the ranks still running that JAX's coordination
-        service named, in the logs of failed ranks that only blame a peer, as having stopped sending heartbeats.
-        Such a rank is hung (stopped, or its process frozen): the ranks JAX aborted for it are not the culprits."""
-        if not failed or not running or self.peer_wait_since is None \
-                or self.sup.clock() - self.peer_wait_since < PEER_GRACE_SECONDS:
-            return ()
+        """The ranks JAX's coordination service named, in the logs of failed ranks that only blame a peer, as
+        having stopped sending heartbeats, and that did not fail of their own: still running once the peer grace
+        has run out (`culprit_may_lag`), or ended by the launcher after the others (srun --kill-on-bad-exit ends a
+        stopped rank as soon as its peer aborts). Such a rank is hung (stopped, or its process frozen): the ranks
+        JAX aborted for it are not the culprits."""
         named: set[int] = set()
         for rank_exit in failed[:CULPRIT_LOGS]:
-            if not self.peer_words.get(rank_exit.rank):
+            if rank_exit.ended_by_launcher:
+                continue  # srun's kill: its own words, if any, came before
+            if rank_exit.rank not in self.peer_words:
+                said, oom = self.failure(rank_exit)
+                self.peer_words[rank_exit.rank] = oom is None and said is not None and bool(PEER_FAILED.search(said))
+            if not self.peer_words[rank_exit.rank]:
                 return ()
             named |= jax_silent_tasks(self.sup.run.rank_log(self.attempt, rank_exit.rank))
-        return tuple(sorted(named & set(running)))
+        ended = {e.rank for e in failed if e.ended_by_launcher}
+        silent = named & (set(running) | ended)
+        if silent & set(running) and (self.peer_wait_since is None
+                                      or self.sup.clock() - self.peer_wait_since < PEER_GRACE_SECONDS):
+            return ()  # it may yet exit on its own and say why
+        return tuple(sorted(silent))
 
     def jax_peer_lost(self, force: bool) -> str | None:
         """A rank's log line saying JAX's coordination service declared a process dead."""
