@@ -209,7 +209,7 @@ class AttemptWatch:
             ranked.setdefault(order, (rank_exit, said, oom))
         return ranked[min(ranked)]  # `failed` is never empty: the supervisor asks once a rank failed
 
-    def culprit_may_lag(self, failed: list[RankExit], everyone_exited: bool) -> bool:
+    def culprit_may_lag(self, failed: list[RankExit], everyone_exited: bool, probing: bool = False) -> bool:
         """Whether to hold the verdict on a failed attempt for a moment: every rank that failed so far says only
         that a peer went away, and the peer (still counted as running) has not been seen to exit. Judged now, a
         survivor would be named for the peer's failure (a task_exit for a SIGKILL). At most `PEER_GRACE_SECONDS`
@@ -225,7 +225,8 @@ class AttemptWatch:
         now = self.sup.clock()
         if self.peer_wait_since is None:
             self.peer_wait_since = now
-        return now - self.peer_wait_since < PEER_GRACE_SECONDS
+        # A node liveness is probing (its heartbeats stopped) may be the peer's: its verdict is seconds away.
+        return now - self.peer_wait_since < PEER_GRACE_SECONDS or probing
 
     def silent_peers(self, failed: list[RankExit], running: list[int]) -> tuple[int, ...]:
         """The ranks JAX's coordination service named, in the logs of failed ranks that only blame a peer, as

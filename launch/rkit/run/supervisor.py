@@ -333,7 +333,8 @@ class Supervisor:
             if ending is None and not (dead or self._interrupted or self._preempt or handle.failed_nodes
                                        or handle.launch_failed) \
                     and watch.culprit_may_lag([e for e in exits.values() if e.returncode != 0],
-                                              everyone_exited=len(exits) >= self.processes):
+                                              everyone_exited=len(exits) >= self.processes,
+                                              probing=bool(getattr(self.backend.liveness, "probes", None))):
                 time.sleep(self.poll_seconds)  # the peer a failed rank blames is about to be seen exiting
                 continue
             if ending is None:
