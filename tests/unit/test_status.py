@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,10 @@ def test_watch_redraws_until_the_run_ends(run: RunDir):
     assert state.value == "finished" and len(sleeps) == 2 and all(1.0 < x <= 2.0 for x in sleeps)
 
 
-def test_a_cut_final_line_reads_the_state_from_what_is_committed(run: RunDir):
+def test_a_cut_final_line_reads_the_state_from_what_is_committed(run: RunDir, tmp_path: Path, monkeypatch):
+    (tmp_path / "squeue").write_text("#!/bin/sh\n")  # the job has left the queue
+    (tmp_path / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     text = run.events_file.read_bytes()
     cut = text[: text.rindex(b'{"')] + b'{"event": "run.fin'  # the final word cut mid-line
     run.events_file.write_bytes(cut)

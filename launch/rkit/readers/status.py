@@ -165,13 +165,13 @@ def run_state(run: RunDir, events: list[dict] | StatusFold, slurm: dict[str, Any
         return RunState.PENDING if slurm["state"] != "RUNNING" else RunState.RUNNING, \
             f"Slurm job {slurm['job_id']} is {slurm['state']}" + (f" ({slurm['reason']})" if slurm["reason"]
                                                                    and slurm["reason"] != "None" else "")
+    if final_committed:  # the final word was lost (a cut last line of events.jsonl), the checkpoint was not
+        return RunState.FINISHED, ("the final step is committed (events.jsonl has no final word from the supervisor: "
+                                   "its last line may have been cut)")
     if slurm and not slurm.get("asked", True):  # not "stopped, resume it": Slurm may hold or requeue it still
         return RunState.STOPPED, (f"the supervisor is not running here and Slurm could not be asked about job "
                                   f"{slurm['job_id']} ({slurm['reason']}); see `squeue -j {slurm['job_id']}` before "
                                   f"resuming: Slurm may still hold, run or requeue it")
-    if final_committed:  # the final word was lost (a cut last line of events.jsonl), the checkpoint was not
-        return RunState.FINISHED, ("the final step is committed (events.jsonl has no final word from the supervisor: "
-                                   "its last line may have been cut)")
     return RunState.STOPPED, ("the supervisor ended without a final word (killed or machine lost); "
                               f"resume with `{resume_command(run)}`")
 
