@@ -592,3 +592,26 @@ def test_a_node_that_trains_but_whose_heartbeats_never_arrive_is_named_once_and_
         assert set(probes) == {"c3"}  # neither stepping nor heard: suspected as before; c2 is left to Slurm
     finally:
         live.close()
+
+
+def test_srun_losing_a_node_of_its_step_names_that_node(tmp_path):
+    """The fault campaign: c2 crashed while an attempt started; srun said only "io error and missing step on node 1"
+    and killed rank 0, and the attempt went to rank 0 (task_signal) instead of the node, which the next attempt then
+    used again (step_failed). Node 1 of the step [c1, c2] is c2: a node failure."""
+    from rkit.backends.slurm.launcher import SlurmStepBackend, StepHandle, StepRequest
+    from rkit.contract.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.emit(EV.AGENT_STARTED, attempt=12, rank=0, pid=1, warm=False)  # rank 0 had started (its JAX service)
+    log = tmp_path / "srun.log"
+    log.write_text("srun: error: _server_write write failed: Bad file descriptor\n"
+                   "srun: error: Aborting, io error and missing step on node 1\n"
+                   "srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\n"
+                   "srun: error: c1: task 0: Killed\nsrun: Terminating StepId=31.28\n"
+                   "srun: error: Aborting, step missing and io error on node 1\n")
+    request = StepRequest(attempt=12, argv=["srun", "--container=/x.sif"], env={"RKIT_RUN_DIR": str(run.path)},
+                          nodes=["c2", "c1"], log=log, cwd=tmp_path, processes=2)
+    handle = StepHandle.cold(request, _done("false"))
+    SlurmStepBackend(nodes_per_step=2, tasks_per_node=1).poll(handle)
+    assert handle.failed_nodes == ["c2"]

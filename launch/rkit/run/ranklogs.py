@@ -191,7 +191,8 @@ RUNTIME_ERROR = re.compile(r"^[FE]\d{4} |Check failed|RESOURCE_EXHAUSTED|DATA_LO
                            r"Fatal Python error|^rkit: injected fault ")
 # A rank that failed because a peer went away, not for a cause of its own: its collective's connection to the peer
 # broke (Gloo's TCP pairs, NCCL/RCCL's sockets), or JAX's coordination service reported another task's error.
-PEER_FAILED = re.compile(r"Gloo [\w-]+ failed|Connection reset by peer|Connection closed by (?:remote )?peer"
+PEER_FAILED = re.compile(r"Gloo [\w-]+ failed|Gloo context initialization failed|Connection reset by peer"
+                         r"|Connection closed by (?:remote )?peer"
                          r"|Broken pipe|remote process exited|another task|tasks are unhealthy|"
                          + JAX_PEER_LOST.pattern.decode())
 # Out of memory in the rank's own words: Python's MemoryError, XLA's allocator (host or device), the C++ runtime.

@@ -226,14 +226,19 @@ def execute_supervised(launch: LaunchPlan, chronicle: Chronicle) -> RunState:
             run.emit(EV.RUN_GAVE_UP, reason=f"the supervisor failed: {type(exc).__name__}: {exc}")
             raise
         if state is RunState.REQUEUED and job_id:
-            run.emit(EV.JOB_REQUEUED, job_id=job_id, excluded=list(backend.exclude))
+            kept = slurm.exclusion_that_fits(job_id, list(backend.exclude)) if backend.exclude else []
+            left_in = [n for n in backend.exclude if n not in kept]
+            run.emit(EV.JOB_REQUEUED, job_id=job_id, excluded=kept,
+                     **({"not_excluded": left_in, "why": "excluding them would leave the partition fewer nodes than "
+                         "the job asks for (Slurm: BadConstraints, pending for ever); Slurm keeps it off nodes it "
+                         "holds down itself"} if left_in else {}))
             lock.release()
             # Requeue first: Slurm changes ExcNodeList only for a pending job ("Job is no longer pending
             # execution" while it runs). The requeue's SIGTERM to this script is caught (request_stop), so the
             # update right after it still runs.
             slurm.requeue(job_id)
-            if backend.exclude:
-                slurm.exclude_nodes(job_id, backend.exclude)
+            if kept:
+                slurm.exclude_nodes(job_id, kept)
         return state
     finally:
         lock.release()

@@ -27,6 +27,7 @@ from rkit.backends.slurm.queries import (  # noqa: F401 - the Slurm backend's qu
     checked_job_id,
     cpus_on_node,
     exclude_nodes,
+    exclusion_that_fits,
     held_down,
     hostnames,
     job_state,

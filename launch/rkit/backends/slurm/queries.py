@@ -134,6 +134,26 @@ def requeue(job_id: str) -> bool:
     return done.returncode == 0
 
 
+def exclusion_that_fits(job_id: str, nodes: list[str]) -> list[str]:
+    """Of NODES, those the requeued job can be kept off and still be schedulable: Slurm refuses a job whose
+    ExcNodeList leaves its partition fewer nodes than it asks for (BadConstraints: pending for ever, even once the
+    nodes are back; the fault campaign's 3-node test bed after two crashes). Nodes Slurm holds down are dropped from
+    the list first (it keeps jobs off them itself); if that is not enough, the list is cut to what fits."""
+    job = slurm_output(["scontrol", "show", "job", checked_job_id(job_id)])
+    wanted, partition = re.search(r"\bNumNodes=(\d+)", job), re.search(r"\bPartition=(\S+)", job)
+    if not wanted or not partition:
+        return nodes  # cannot tell: as asked
+    states: dict[str, str] = {}
+    for line in slurm_output(["sinfo", "-h", "-N", "-p", partition.group(1), "-o", "%N %t"]).splitlines():
+        name, _, state = line.strip().partition(" ")
+        states.setdefault(name, state)
+    room = len(states) - int(wanted.group(1))  # how many of the partition's nodes may be excluded
+    if not states or len(nodes) <= room:
+        return nodes
+    down = [n for n in nodes if held_down(states.get(n, ""))]
+    return [*[n for n in nodes if n not in down], *down][:max(0, room)]
+
+
 def exclude_nodes(job_id: str, nodes: list[str]) -> bool:
     """Keep NODES out of a pending job's next allocation (Slurm refuses this for a running job)."""
     done = subprocess.run(["scontrol", "update", f"jobid={checked_job_id(job_id)}", f"ExcNodeList={','.join(nodes)}"],

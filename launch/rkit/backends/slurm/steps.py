@@ -22,6 +22,8 @@ from rkit.contract.rundir import RunDir
 SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
 SRUN_TERMINATING = re.compile(r"srun: (?:Terminating|Force Terminated) (?:StepId|job step)")
 SRUN_NODE_FAIL = re.compile(r"(?i)node failure on (\S+)|Node (\S+) .*(?:DOWN|NOT_RESPONDING|failure)")
+# srun lost a node of its step mid-start (the node crashed): it names the node by its place in the step.
+SRUN_NODE_LOST = re.compile(r"(?:io error and missing step|step missing and io error) on node (\d+)")
 # srun could not start the step's tasks: Slurm refused the step, or a node did not take its tasks.
 SRUN_LAUNCH_FAILED = re.compile(r"srun: error: (?:Unable to create step for job \S+: .+|Task launch for StepId=\S+ "
                                 r"failed on node (\S+?):? .+|.*Requested node configuration is not available.*)")
@@ -147,6 +149,14 @@ class StepHandle(Handle):
                 self.exits.setdefault(rank, rank_exit)
         return self.exits
 
+    def _part_nodes(self, part: StepPart) -> list[str]:
+        """The part's nodes in Slurm's order of the step (its node ids), hostnames in natural order."""
+        nodes = list(self.request.nodes) if self.request is not None else []
+        if len(self.parts) > 1 and nodes and self.request.processes:  # a warm attempt: a part per node
+            per_node = max(1, self.request.processes // len(nodes))
+            nodes = nodes[part.first_rank // per_node:part.first_rank // per_node + 1]
+        return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
+
     @property
     def _contained(self) -> bool:
         """Its tasks run in a container (srun --container, or apptainer exec): an exit code 128+N is signal N."""
@@ -172,6 +182,10 @@ class StepHandle(Handle):
                     exits.setdefault(rank, RankExit(rank, -_signal_of(sig.group(0)), node, ended_by_launcher=by_srun))
         if self.out_of_memory is None and (oom := SRUN_OOM.search(text)):
             self.out_of_memory = f"Slurm said: {oom.group(0).strip()[:300]}"
+        for match in SRUN_NODE_LOST.finditer(text):
+            step_nodes = self._part_nodes(part)
+            if int(match.group(1)) < len(step_nodes) and step_nodes[int(match.group(1))] not in self.failed_nodes:
+                self.failed_nodes.append(step_nodes[int(match.group(1))])
         for match in SRUN_NODE_FAIL.finditer(text):
             node = (match.group(1) or match.group(2) or "").rstrip(":,.")
             if node and node not in self.failed_nodes:
