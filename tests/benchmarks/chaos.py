@@ -173,13 +173,17 @@ class Campaign:
         self.jobs.append([e for e in events(self.run) if e["event"] == "job.submitted"][-1]["job_id"])
 
     def sync(self, evs: list[dict]) -> None:
-        """Each injection's attempt and time, from its inject.fired (read in the session that gave it)."""
-        session = -1
+        """Each injection's attempt and time, from its inject.fired, read in the session of the attempt it fired in
+        (the `rkit run` that started that attempt: a killed supervisor's ranks may fire after the resume began)."""
+        session, of_attempt = -1, {}
         for e in evs:
             if e["event"] in ("run.submitted", "run.resumed"):
                 session += 1
-            elif e["event"] == "inject.fired" and 0 <= session < len(self.sessions):
-                fault = self.sessions[session].get(e.get("index"))
+            elif e["event"] == "attempt.started":
+                of_attempt[e["attempt"]] = session
+            elif e["event"] == "inject.fired" and 0 <= (k := of_attempt.get(e["attempt"], session)) < len(
+                    self.sessions):
+                fault = self.sessions[k].get(e.get("index"))
                 if fault is not None and fault.attempt is None:
                     fault.attempt, fault.at = e["attempt"], e["t"]
 
