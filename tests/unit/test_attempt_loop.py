@@ -163,6 +163,13 @@ class FakeBackend:
             elif rank == 0 and (lag := self.script.at("peerlag", handle.attempt, step)):
                 peer_lag(self.run, handle, step, lag[0])
                 self.peer_failed_at = self.sup_ref[0].clock.now
+            elif rank == 0 and self.script.at("gloobreak", handle.attempt, step):
+                log = self.run.rank_log(handle.attempt, 0)
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text("Traceback (most recent call last):\njax.errors.JaxRuntimeError: UNKNOWN: Gloo "
+                               "all-reduce failed: [gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:57000\n")
+                handle.exits[0] = RankExit(0, 1, "n1")
+                handle.exits[1] = RankExit(1, -signal.SIGKILL, ended_by_launcher=True)
             elif rank == 0 and (how := self.script.at("jaxabort", handle.attempt, step)):
                 jax_abort(self.run, handle, step, srun_ends_it=how is not True)
                 self.peer_failed_at = self.sup_ref[0].clock.now
@@ -645,6 +652,34 @@ def test_a_rank_jax_aborted_for_a_silent_peer_is_not_the_culprit_the_stopped_pee
     [hang] = events(sup.run, EV.ATTEMPT_HANG)
     assert hang["rank"] == 1 and hang["ranks"] == [1] and hang["seconds_silent"] > 0
     assert sup.clock.now - backend.peer_failed_at >= PEER_GRACE_SECONDS  # rank 1 had its chance to exit
+
+
+def test_a_crashed_peers_node_srun_ended_is_found_by_liveness_not_blamed_on_the_survivor(tmp_path):
+    """The campaign's seed 2: a node crashed mid-step, rank 0's Gloo all-reduce broke (exit 1, a peer's words) and
+    srun ended rank 1, whose node was gone: everyone had exited, so the verdict was rank 0's at once (task_exit),
+    and the next attempt went back to the dead node (step_failed). The verdict now waits for liveness."""
+    sup, backend = make(tmp_path, Script(gloobreak=(1, 6)))
+
+    class Liveness:
+        probes: dict = {}
+        looks = 0
+
+        def check(self, progress):
+            self.looks += 1
+            return [], ({"n2": "no heartbeat for 8.1 s and the probe step did not answer"} if self.looks > 4 else {})
+
+        def last_heard(self, node):
+            return None
+
+        def watch(self, attempt, nodes, tasks_per_node):
+            pass
+
+        def close(self):
+            pass
+
+    backend.liveness = Liveness()
+    outcome = attempt(sup)
+    assert (outcome.cause, outcome.nodes) == (Cause.NODE_FAIL, ("n2",)), outcome.detail
 
 
 def test_a_silent_peer_srun_ended_at_once_is_still_the_hang(tmp_path):

@@ -214,9 +214,10 @@ class AttemptWatch:
         that a peer went away, and the peer (still counted as running) has not been seen to exit. Judged now, a
         survivor would be named for the peer's failure (a task_exit for a SIGKILL). At most `PEER_GRACE_SECONDS`
         from the first such poll; each failed rank's log is read once for it."""
-        if not failed or everyone_exited:
-            return False
-        for rank_exit in failed[:CULPRIT_LOGS]:
+        own = [e for e in failed[:CULPRIT_LOGS] if not e.ended_by_launcher]
+        if not own or (everyone_exited and len(own) == len(failed)):
+            return False  # (a peer the launcher ended said nothing of its own: its node may be the one gone)
+        for rank_exit in own:
             if rank_exit.rank not in self.peer_words:
                 said, oom = self.failure(rank_exit)
                 self.peer_words[rank_exit.rank] = oom is None and said is not None and bool(PEER_FAILED.search(said))
