@@ -388,7 +388,7 @@ class Supervisor:
             restore_failed=watch.restore_failed(force=failed or hang is not None), resumed_from=watch.resumed_from,
             culprit=culprit.rank if culprit else None, rank_error=said, out_of_memory=oom,
             port_in_use=watch.port_in_use(force=failed),
-            out_of_data=watch.out_of_data(force=failed or hang is not None),
+            out_of_data=watch.out_of_data(force=failed or hang is not None or everyone_exited),
             stopped=tuple(self.backend.stopped_ranks(handle)) if hang is not None else (),
             silent_peers=(silent := watch.silent_peers(failures, [r for r in range(self.processes) if r not in exits])),
             silent_seconds=round(self.clock() - watch.hang.last_progress[silent[0]], 3)
