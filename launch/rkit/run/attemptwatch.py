@@ -20,8 +20,15 @@ from rkit.contract.rundir import RunDir, filesystem
 from rkit.run import preflight
 from rkit.run.oomkills import OomWatch
 from rkit.run.policy import Progress
-from rkit.run.ranklogs import LOG_LINE as LOG_PREFIX
-from rkit.run.ranklogs import OUT_OF_MEMORY, PEER_FAILED, LogScan, jax_silent_tasks, last_error_lines, rank_error
+from rkit.run.ranklogs import (
+    LOG_LINE,
+    OUT_OF_MEMORY,
+    PEER_FAILED,
+    LogScan,
+    jax_silent_tasks,
+    last_error_lines,
+    rank_error,
+)
 from rkit.run.stragglers import StragglerWatch
 from rkit.run.watchdog import HangPolicy, HangWatch
 from rkit.runtime.telemetry.metrics import MetricsTail
@@ -209,6 +216,13 @@ class AttemptWatch:
             ranked.setdefault(order, (rank_exit, said, oom))
         return ranked[min(ranked)]  # `failed` is never empty: the supervisor asks once a rank failed
 
+    def _blames_peer(self, rank_exit: RankExit) -> bool:
+        """Whether a failed rank's own words only say that a peer went away (read once per rank)."""
+        if rank_exit.rank not in self.peer_words:
+            said, oom = self.failure(rank_exit)
+            self.peer_words[rank_exit.rank] = oom is None and said is not None and bool(PEER_FAILED.search(said))
+        return self.peer_words[rank_exit.rank]
+
     def culprit_may_lag(self, failed: list[RankExit], everyone_exited: bool, probing: bool = False) -> bool:
         """Whether to hold the verdict on a failed attempt for a moment: every rank that failed so far says only
         that a peer went away, and the peer (still counted as running) has not been seen to exit. Judged now, a
@@ -218,10 +232,7 @@ class AttemptWatch:
         if not own or (everyone_exited and len(own) == len(failed)):
             return False  # (a peer the launcher ended said nothing of its own: its node may be the one gone)
         for rank_exit in own:
-            if rank_exit.rank not in self.peer_words:
-                said, oom = self.failure(rank_exit)
-                self.peer_words[rank_exit.rank] = oom is None and said is not None and bool(PEER_FAILED.search(said))
-            if not self.peer_words[rank_exit.rank]:
+            if not self._blames_peer(rank_exit):
                 return False
         now = self.sup.clock()
         if self.peer_wait_since is None:
@@ -239,10 +250,7 @@ class AttemptWatch:
         for rank_exit in failed[:CULPRIT_LOGS]:
             if rank_exit.ended_by_launcher:
                 continue  # srun's kill: its own words, if any, came before
-            if rank_exit.rank not in self.peer_words:
-                said, oom = self.failure(rank_exit)
-                self.peer_words[rank_exit.rank] = oom is None and said is not None and bool(PEER_FAILED.search(said))
-            if not self.peer_words[rank_exit.rank]:
+            if not self._blames_peer(rank_exit):
                 return ()
             named |= jax_silent_tasks(self.sup.run.rank_log(self.attempt, rank_exit.rank))
         ended = {e.rank for e in failed if e.ended_by_launcher}
@@ -263,7 +271,7 @@ class AttemptWatch:
         if hit is None:
             return None
         line, log = hit
-        said = line.split("] ", 1)[-1] if LOG_PREFIX.match(line) else line
+        said = line.split("] ", 1)[-1] if LOG_LINE.match(line) else line
         return f"{log.stem.replace('-', ' ')}'s data ran out (MaxText: {said!r})"
 
     def port_in_use(self, force: bool) -> str | None:
