@@ -173,6 +173,9 @@ class FakeBackend:
             elif rank == 0 and (how := self.script.at("jaxabort", handle.attempt, step)):
                 jax_abort(self.run, handle, step, srun_ends_it=how is not True)
                 self.peer_failed_at = self.sup_ref[0].clock.now
+            elif rank == 1 and (how := self.script.at("leaderhang", handle.attempt, step)):
+                leader_abort(self.run, handle, step, srun_ends_it=how is not True)
+                self.peer_failed_at = self.sup_ref[0].clock.now
             elif rank == 0 and self.script.at("peeronly", handle.attempt, step):
                 peer_race(self.run, handle, step, (handle.attempt,), silent=True)
             elif rank == 1 and (said := self.script.at("raise", handle.attempt, step)):
@@ -304,6 +307,28 @@ JAX_ABORT = ("E1207 18:30:31.946216      22 coordination_service.cc:1518] [49130
              "more details. absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending "
              "heartbeats):\n1\nThe tasks have crashed.\nFatal Python error: Aborted\n\nThread 0x00007faa2bca8780 "
              "(most recent call first):\n  File \"multihost_utils.py\", line 121 in _handle_array_process_allgather\n")
+
+
+# Rank 1's log when rank 0, which hosts JAX's coordination service, was stopped (the campaign's seed 2, hang of
+# rank 0): rank 1's heartbeats to the service timed out, and JAX aborted rank 1 naming no task.
+LEADER_ABORT = ("F1207 21:04:11.201562      29 client.h:86] Terminating process because the JAX distributed service "
+                "detected fatal errors. This most likely indicates that another task died; see the other task logs "
+                "for more details. Disable Python buffering, i.e. `python -u`, to be sure to see all the previous "
+                "output. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: "
+                "/tensorflow.CoordinationService/Heartbeat\nFatal Python error: Aborted\n\nThread 0x00007f1e "
+                "(most recent call first):\n  File \"train.py\", line 9 in train_loop\n")
+
+
+def leader_abort(run: RunDir, handle: FakeHandle, step: int, srun_ends_it: bool = False) -> None:
+    """Rank 0 stops; JAX aborts rank 1 when its heartbeats to rank 0's coordination service time out."""
+    log = run.rank_log(handle.attempt, 1)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"I1207 completed step: {step}\n{LEADER_ABORT}")
+    handle.exits[1] = RankExit.in_container(1, 134, "n2")
+    if srun_ends_it:
+        handle.exits[0] = RankExit(0, -signal.SIGTERM, "n1", ended_by_launcher=True)
+    else:
+        handle.silent.add(0)
 
 
 def jax_abort(run: RunDir, handle: FakeHandle, step: int, srun_ends_it: bool = False) -> None:
@@ -688,6 +713,20 @@ def test_a_silent_peer_srun_ended_at_once_is_still_the_hang(tmp_path):
     sup, _ = make(tmp_path, Script(jaxabort=(1, 6, "srun")))
     outcome = attempt(sup)
     assert (outcome.cause, outcome.rank) == (Cause.HANG, 1), outcome.detail
+
+
+@pytest.mark.parametrize("srun_ends_it", [False, True])
+def test_a_stopped_rank_0_which_hosts_jaxs_coordination_service_is_the_hang_not_the_rank_jax_aborted(
+        tmp_path, srun_ends_it):
+    """The campaign's seed 2 (hang:rank=0): rank 1's heartbeats to the coordination service in the stopped rank 0
+    timed out, JAX aborted rank 1 with DEADLINE_EXCEEDED naming no task, and the attempt went to rank 1
+    (task_signal, SIGABRT). Rank 0, still running after the grace or ended by srun, is the hang."""
+    sup, _ = make(tmp_path, Script(leaderhang=(1, 6, "srun") if srun_ends_it else (1, 6)))
+    outcome = attempt(sup)
+    assert (outcome.cause, outcome.rank) == (Cause.HANG, 0), outcome.detail
+    assert outcome.detail.startswith("hang: rank 0 stopped answering its peers' heartbeats (it hosts JAX's "
+                                     "coordination service) and did not exit"), outcome.detail
+    assert "DEADLINE_EXCEEDED" in outcome.detail
 
 
 def test_a_sigkill_the_launcher_sent_is_not_read_as_the_oom_killers(tmp_path, monkeypatch):

@@ -85,6 +85,13 @@ def test_an_abort_after_jaxs_fatal_line_says_the_fatal_line_and_names_the_silent
                           "crashed.\nF1207 y] Terminating process\n")
     assert jax_silent_tasks(named) == {3, 12}
     assert jax_silent_tasks(log(tmp_path, "F1207 x] Check failed: a == b\nFatal Python error: Aborted\n")) == set()
+    # the coordination service itself (process 0's) left this process's heartbeats unanswered: process 0 is silent
+    from .test_attempt_loop import LEADER_ABORT
+
+    assert jax_silent_tasks(log(tmp_path, LEADER_ABORT)) == {0}
+    assert PEER_FAILED.search(rank_error(log(tmp_path, LEADER_ABORT)))
+    other = LEADER_ABORT.replace("DEADLINE_EXCEEDED: Deadline Exceeded", "INTERNAL: boom")
+    assert jax_silent_tasks(log(tmp_path, other)) == set()
     assert rank_error(log(tmp_path, "I1207 x\nFatal Python error: Aborted\n")) == "Fatal Python error: Aborted"
     # Gloo's collectives with a hyphen in their name break the same way (a crashed node's peer, the campaign)
     assert PEER_FAILED.search("ValueError: UNKNOWN: Gloo all-reduce failed: [gloo/transport/tcp/pair.cc:538] Read "

@@ -418,7 +418,9 @@ def classify(obs: Observation) -> Ending | None:
         rank = obs.silent_peers[0]
         ended = next((e for e in failed if e.rank == obs.culprit), failed[0])
         last = obs.last_steps.get(rank)
-        return Ending(Cause.HANG, f"hang: rank {rank} stopped sending heartbeats to JAX's coordination service and "
+        silent = ("stopped sending heartbeats to JAX's coordination service" if rank else
+                  "stopped answering its peers' heartbeats (it hosts JAX's coordination service)")
+        return Ending(Cause.HANG, f"hang: rank {rank} {silent} and "
                                   f"did not exit (last step {_fmt(last)}); rank {ended.rank} {ended.describe()} on "
                                   f"it{': ' + obs.rank_error if obs.rank_error else ''}", Stop.HANG, rank=rank,
                       step=last)

@@ -202,15 +202,25 @@ OUT_OF_MEMORY = re.compile(r"\bMemoryError\b|RESOURCE_EXHAUSTED: Out of memory|[
 
 JAX_SILENT_TASKS = "stopped sending heartbeats):"
 JAX_TASK_ID = re.compile(r"task:(\d+)|^(\d+(?:\s*,\s*\d+)*)$")
+# JAX's fatal line when this process's own calls to the coordination service (hosted by process 0) went unanswered:
+# its heartbeat RPC timed out (a stopped leader: DEADLINE_EXCEEDED) or found no one (UNAVAILABLE). It names no task.
+JAX_FATAL = "JAX distributed service detected fatal errors"
+JAX_LEADER_UNANSWERED = re.compile(r"absl::Status: (?:DEADLINE_EXCEEDED|UNAVAILABLE)\b")
 
 
 def jax_silent_tasks(path: Path, tail_bytes: int = 65536) -> set[int]:
     """The processes JAX's coordination service named in a rank's log as having stopped sending heartbeats (its
     error lists them after "The following tasks are unhealthy (stopped sending heartbeats):", one a line, as a
-    task id or a task name ending in task:<id>); empty when the log names none."""
+    task id or a task name ending in task:<id>); or process 0, whose coordination service left this process's
+    heartbeats unanswered (`JAX_LEADER_UNANSWERED`: a stopped process 0 hosts a stopped service); empty when the
+    log says neither."""
     text = tail_text(path, tail_bytes)
-    if text is None or JAX_SILENT_TASKS not in text:
+    if text is None:
         return set()
+    if JAX_SILENT_TASKS not in text:
+        # No task named: JAX's service itself did not answer this process, so process 0, which hosts it, is silent.
+        fatal = text.rfind(JAX_FATAL)
+        return {0} if fatal >= 0 and JAX_LEADER_UNANSWERED.search(text, fatal, fatal + 2000) else set()
     after = text[text.rindex(JAX_SILENT_TASKS) + len(JAX_SILENT_TASKS):].splitlines()
     named: set[int] = set()
     for line in after[1:9] if after and not after[0].strip() else after[:8]:
