@@ -19,6 +19,9 @@ each drawn from
   preempt       Slurm's USR1 before the time limit (--inject preempt)       expected: preempted (planned), requeued
   lose_local    a node's local checkpoints are lost and its rank killed     expected: task_signal, that rank
   node_crash    the node of rank 1 crashes (ci/slurm-testbed.sh crash)      expected: node_fail, that node
+  disk_full     the node-local tier's file system (a tmpfs) is filled but for 64 KiB; once the run has stopped
+                on it, the ballast is removed and the run resumed (rkit run --resume), as an operator and a user
+                would                                                        expected: disk_full
 and, timed to land in a recovery,
   kill_restore  a rank SIGKILLed as it begins the restore after the previous fault     expected: task_signal
   crash_in_recovery  the node of rank 1 of the attempt after the previous fault crashes once that attempt has
@@ -43,32 +46,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import random
-import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchruns import REPO, events
+from chaos_check import BY_HARNESS, check, final, in_queue, report, status_json
 
 RECIPE = REPO / "recipes" / "tiny-slurm.yaml"
 TESTBED = REPO / "ci" / "slurm-testbed.sh"
 PERIOD = 10
 START = 20  # the first fault's earliest step
+# The node-local tier's file system: a tmpfs mounted here before the test bed's cluster starts (a mount made later
+# is not seen in its namespaces), which a disk_full fills. Each node's local directory is its own folder on it.
+LOCAL_FS = Path("/tmp/rkit-chaos-local")
+LOCAL_FS_SIZE = "1g"
 REPAIR_SECONDS = 120  # a crashed node is back at the latest this long after its crash
 KINDS = {"kill": 4, "exit": 3, "preempt": 3, "lose_local": 2, "node_crash": 3, "hang": 1, "supervisor_kill": 1,
-         "kill_restore": 2, "crash_in_recovery": 2}
-EXPECTED = {"kill": "task_signal", "exit": "task_exit", "hang": "hang", "preempt": "preempted",
-            "lose_local": "task_signal", "kill_restore": "task_signal", "node_crash": "node_fail",
-            "crash_in_recovery": "node_fail", "supervisor_kill": "lost"}
+         "disk_full": 1, "kill_restore": 2, "crash_in_recovery": 2}
 FOLLOWERS = ("kill_restore", "crash_in_recovery")  # land in the recovery of the fault before them
-BY_HARNESS = ("node_crash", "crash_in_recovery", "supervisor_kill")
 
 
 @dataclass
@@ -104,7 +109,7 @@ class Fault:
         if self.kind in FOLLOWERS:
             return f"#{self.index} {self.kind} rank {self.rank}, in the recovery from the fault at step {self.step}"
         extra = f" code {self.code}" if self.code is not None else ""
-        rank = "" if self.kind in ("preempt", "supervisor_kill") else f" rank {self.rank}"
+        rank = "" if self.kind in ("preempt", "supervisor_kill", "disk_full") else f" rank {self.rank}"
         return f"#{self.index} {self.kind}{rank}{extra} at step {self.step}{where}"
 
 
@@ -130,7 +135,7 @@ def schedule(seed: int, count: int) -> list[Fault]:
             at = -(-at // PERIOD) * PERIOD
             at = at - PERIOD if at - step > 25 else at
         step = at
-        rank = 1 if kind in ("node_crash", "supervisor_kill") else rng.randrange(2)
+        rank = 1 if kind in BY_HARNESS else rng.randrange(2)
         code = rng.randint(1, 120) if kind == "exit" else None
         faults.append(Fault(len(faults), kind, step, rank=rank, code=code, on_save=on_save))
     return faults
@@ -140,7 +145,7 @@ def recipe_args(work: Path, image: str, steps: int, faults: int) -> list[str]:
     data = work / "data"
     return ["-o", f"runs_dir={work / 'runs'}", "-o", f"image={image}", "-o", f"trainer.steps={steps}",
             "-o", f"checkpoint.period={PERIOD}", "-o", "checkpoint.keep=4",
-            "-o", f"checkpoint.local_dir={work / 'node-local'}/$SLURMD_NODENAME", "-o", "checkpoint.local_period=2",
+            "-o", f"checkpoint.local_dir={LOCAL_FS / work.name}/$SLURMD_NODENAME", "-o", "checkpoint.local_period=2",
             "-o", "trainer.overrides.ici_data_parallelism=-1", "-o", "trainer.overrides.ici_fsdp_parallelism=1",
             "-o", "trainer.overrides.dataset_type=grain", "-o", "trainer.overrides.grain_worker_count=0",
             "-o", f"trainer.overrides.grain_train_files={data}/train-*.array_record",
@@ -160,6 +165,7 @@ class Campaign:
         self.sessions: list[dict[int, Fault]] = []  # each `rkit run`'s --inject indexes (they restart with each)
         self.crashed: list[tuple[str, int, float]] = []  # (node, the attempt it crashed in, when)
         self.began = 0.0
+        self.mount = LOCAL_FS  # the node-local tier's file system, which a disk_full fills
 
     def submit(self, resume: bool = False) -> None:
         waiting = [f for f in self.faults if f.kind not in BY_HARNESS and f.attempt is None]
@@ -194,6 +200,10 @@ class Campaign:
             evs = events(self.run)
             self.sync(evs)
             job, end = self.jobs[-1], final(evs)
+            if end and not in_queue(job) and self.resume_due():
+                self.submit(resume=True)  # what a user does after the supervisor was killed or the disk cleared
+                print(f"  resumed: job {self.jobs[-1]}", flush=True)
+                continue
             if end and not self.crashed and not in_queue(job):
                 return end["t"] - self.began
             for node, at, when in list(self.crashed):  # back (a repaired machine) once a later attempt has trained,
@@ -206,19 +216,26 @@ class Campaign:
             attempt = current_attempt(evs)
             if fault is not None and attempt is not None and self.due(fault, evs, attempt["attempt"]):
                 self.fire(fault, attempt["attempt"], evs)
-            elif not end and self.resume_due(job):
-                self.submit(resume=True)  # what a user does after the supervisor was killed
+            elif not end and not in_queue(job) and self.resume_due():
+                self.submit(resume=True)
                 print(f"  resumed: job {self.jobs[-1]}", flush=True)
             time.sleep(0.5)
         raise TimeoutError(f"{self.run}: not done in {timeout:.0f} s")
 
-    def resume_due(self, job: str) -> bool:
-        """A supervisor was killed, its job has left the queue and the run says it stopped (not yet resumed)."""
-        killed = [f for f in self.faults if f.kind == "supervisor_kill" and f.at is not None]
-        if not killed or len(self.jobs) > len(killed) or in_queue(job):
+    def resume_due(self) -> bool:
+        """(Its job has left the queue.) A supervisor was killed and the run says it stopped, or the checkpoint
+        file system was filled and the run stopped on it (then the ballast is removed first), not yet resumed."""
+        stopping = [f for f in self.faults if f.kind in ("supervisor_kill", "disk_full") and f.at is not None]
+        if not stopping or len(self.jobs) > len(stopping):
             return False
         time.sleep(1.5)  # status is a command: asked every 2 s, not every round
-        return status_json(self.run).get("state") == "stopped"
+        status = status_json(self.run)
+        if stopping[-1].kind == "supervisor_kill":
+            return status.get("state") == "stopped"
+        if status.get("state") != "gave up" or not (status.get("reason") or "").startswith("disk full"):
+            return False  # stopped for another reason: the checker says so
+        (self.mount / "ballast").unlink()
+        return True
 
     def due(self, fault: Fault, evs: list[dict], n: int) -> bool:
         """Once every fault before it has fired: a node crash or a supervisor kill when rank 0 of the current
@@ -230,7 +247,7 @@ class Campaign:
             return False
         trained = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
         ended = any(e["event"] == "attempt.ended" and e["attempt"] == n for e in evs)
-        if fault.kind in ("node_crash", "supervisor_kill"):  # into a live attempt, not one already ending
+        if fault.kind in ("node_crash", "supervisor_kill", "disk_full"):  # into a live attempt, not one ending
             return trained and not ended and rank0_step(self.run) >= fault.step
         previous = self.faults[fault.index - 1]
         return n > previous.attempt and not trained
@@ -249,6 +266,15 @@ class Campaign:
             proc.kill()
             print(f"  fired {fault.describe()}: supervisor {proc.pid} killed in attempt {n}", flush=True)
             return
+        if fault.kind == "disk_full":
+            fault.at = time.time()
+            try:  # but for 64 KiB: where the run took the last of it first, the ballast stops at ENOSPC
+                (self.mount / "ballast").write_bytes(b"\0" * max(0, shutil.disk_usage(self.mount).free - 65536))
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+            print(f"  fired {fault.describe()}: {self.mount} filled in attempt {n}", flush=True)
+            return
         nodes = json.loads((self.run / "attempts" / str(n) / "attempt.json").read_text())["launch"]["nodes"]
         fault.node, began = nodes[1], time.time()
         testbed("crash", fault.node)
@@ -256,14 +282,6 @@ class Campaign:
         self.crashed.append((fault.node, n, fault.at))
         print(f"  fired {fault.describe()}: {fault.node} crashed in attempt {n} (the crash took "
               f"{fault.at - began:.1f} s)", flush=True)
-
-
-def in_queue(job: str) -> bool:
-    return bool(subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip())
-
-
-def final(evs: list[dict]) -> dict | None:
-    return next((e for e in reversed(evs) if e["event"] in ("run.finished", "run.gave_up")), None)
 
 
 def rank0_step(run: Path) -> int:
@@ -284,151 +302,6 @@ def current_attempt(evs: list[dict]) -> dict | None:
 
 def testbed(*args: str) -> None:
     subprocess.run([str(TESTBED), *args], check=True, capture_output=True, timeout=600)
-
-
-# -- the checker ---------------------------------------------------------------------------------------------------
-
-@dataclass
-class Verdict:
-    checks: dict[str, list[str]] = field(default_factory=dict)  # check -> its failures ([] passed)
-
-    def add(self, check: str, failure: str | None = None) -> None:
-        self.checks.setdefault(check, [])
-        if failure:
-            self.checks[check].append(failure)
-
-    @property
-    def clean(self) -> bool:
-        return not any(self.checks.values())
-
-
-def status_json(run: Path) -> dict:
-    done = subprocess.run([sys.executable, "-m", "rkit.cli", "status", "--json", str(run)], capture_output=True,
-                          text=True, check=False)
-    return json.loads(done.stdout)
-
-
-def merged_rank0(run: Path) -> dict[int, dict]:
-    from rkit.contract.rundir import RunDir
-    from rkit.runtime.telemetry.metrics import merged
-
-    return merged(RunDir(run), 0)
-
-
-def check(run: Path, reference: Path, faults: list[Fault], jobs: list[str]) -> tuple[Verdict, list[dict]]:
-    verdict, evs = Verdict(), events(run)
-    status = status_json(run)
-    end = final(evs)
-    verdict.add("finished", None if status.get("state") == "finished" else
-                f"state {status.get('state')!r}: {status.get('reason')}")
-    ours, ref = merged_rank0(run), merged_rank0(reference)
-    verdict.add("loss")
-    if sorted(ours) != sorted(ref):
-        verdict.add("loss", f"steps {min(ours, default=None)}..{max(ours, default=None)} ({len(ours)}) against "
-                            f"{min(ref)}..{max(ref)} ({len(ref)})")
-    for step in sorted(set(ours) & set(ref)):
-        a, b = ours[step], ref[step]
-        if (a.get("loss"), a.get("data_fingerprint")) != (b.get("loss"), b.get("data_fingerprint")):
-            verdict.add("loss", f"step {step}: loss {a.get('loss')} vs {b.get('loss')}, data "
-                                f"{a.get('data_fingerprint')} vs {b.get('data_fingerprint')}")
-            break
-    attempts = {a["attempt"]: a for a in status.get("attempts", [])}
-    failed = {e["attempt"]: e for e in evs if e["event"] == "attempt.failed"}
-    from rkit.contract.rundir import RunDir
-    from rkit.runtime.telemetry.metrics import lines
-
-    rank0 = lines(RunDir(run), 0)
-    rows = []
-    verdict.add("diagnosed")
-    for f in faults:
-        if f.attempt is None:
-            verdict.add("diagnosed", f"{f.describe()}: never fired")
-            continue
-        cause = attempts.get(f.attempt, {}).get("cause")
-        row = {"fault": f, "cause": cause}
-        if cause != EXPECTED[f.kind] and not (f.kind == "crash_in_recovery" and cause == "step_failed"):
-            # (a node crashed while srun started its ranks is the step's failure to start on that node: named)
-            verdict.add("diagnosed", f"{f.describe()}: attempt {f.attempt} ended as {cause!r}, not "
-                                     f"{EXPECTED[f.kind]!r}")
-        why = failed.get(f.attempt)
-        if why and f.kind in BY_HARNESS and f.node not in (why.get("lost_nodes") or [why.get("node")]):
-            blamed = why.get("lost_nodes") or why.get("node")
-            verdict.add("diagnosed", f"{f.describe()}: attempt {f.attempt} blamed {blamed}, not {f.node}")
-        if why and f.kind in ("kill", "exit", "lose_local", "kill_restore") and why.get("rank") != f.rank:
-            verdict.add("diagnosed", f"{f.describe()}: attempt {f.attempt} blamed rank {why.get('rank')}")
-        if why and f.kind == "exit" and why.get("exit_code") != f.code:
-            verdict.add("diagnosed", f"{f.describe()}: exit code {why.get('exit_code')} recorded")
-        row.update(timings(f, evs, rank0))
-        rows.append(row)
-    reason = status.get("reason") or ""
-    if "crash loop" in reason or "budget" in reason:
-        verdict.add("diagnosed", f"the run's verdict: {reason}")
-    verdict.add("processes")
-    for job in jobs:
-        if in_queue(job):
-            verdict.add("processes", f"job {job} still in the queue")
-    verdict.add("processes", leftover_processes(run))
-    verdict.add("files")
-    for problem in half_written(run):
-        verdict.add("files", problem)
-    verdict.add("goodput", goodput_problem(run, evs, end))
-    return verdict, rows
-
-
-def timings(f: Fault, evs: list[dict], rank0: list[dict]) -> dict:
-    out: dict = {}
-    failed = next((e for e in evs if e["event"] in ("attempt.failed", "attempt.hang", "preempt.requested")
-                   and e["attempt"] == f.attempt), None)
-    nxt = next((e for e in evs if e["event"] == "attempt.first_step" and e["attempt"] > f.attempt), None)
-    started = next((e for e in evs if e["event"] == "attempt.started" and e["attempt"] > f.attempt), None)
-    if failed and f.at is not None:
-        out["detection"] = failed["t"] - f.at
-    if nxt and f.at is not None:
-        out["recovery"] = nxt["t"] - f.at
-    trained = [line["step"] for line in rank0 if line.get("attempt") == f.attempt]
-    if started and started.get("resume_from_step") is not None and trained:
-        out["recomputed"] = max(0, max(trained) - started["resume_from_step"])
-    return out
-
-
-def leftover_processes(run: Path) -> str | None:
-    import psutil
-
-    mark = str(run.resolve())
-    left = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(mark in part for part in proc.info["cmdline"] or []):
-                left.append(f"{proc.info['pid']} {' '.join(proc.info['cmdline'])[:120]}")
-    return f"processes left: {left}" if left else None
-
-
-def half_written(run: Path) -> list[str]:
-    problems = []
-    for path in run.rglob("*"):
-        if path.is_dir():
-            continue
-        name = path.name
-        if ".tmp" in name or name.endswith((".partial", ".part")) or name.startswith(".rkit-tmp"):
-            problems.append(f"temporary file left: {path.relative_to(run)}")
-        elif name.endswith(".json"):
-            try:
-                json.loads(path.read_text())
-            except (ValueError, UnicodeDecodeError, OSError) as exc:
-                problems.append(f"{path.relative_to(run)} does not parse: {exc}")
-    return problems
-
-
-def goodput_problem(run: Path, evs: list[dict], end: dict | None) -> str | None:
-    from rkit.contract.rundir import RunDir
-    from rkit.readers.goodput import run_goodput
-
-    good = run_goodput(RunDir(run)).as_dict()
-    parts = sum(good["seconds"].values())
-    elapsed = (end or evs[-1])["t"] - evs[0]["t"]
-    if abs(parts - good["wall_seconds"]) > 0.5 or good["wall_seconds"] > elapsed + 1:
-        return f"goodput's parts {parts:.1f} s, its wall {good['wall_seconds']:.1f} s, the run's {elapsed:.1f} s"
-    return None
 
 
 # -- the campaign --------------------------------------------------------------------------------------------------
@@ -460,26 +333,15 @@ def campaign(work: Path, image: str, seed: int, count: int, reference: tuple[Pat
     return verdict.clean, reference
 
 
-def report(seed: int, faults: list[Fault], rows: list[dict], verdict: Verdict, wall: float, ref_wall: float) -> None:
-    diagnosed = sum(1 for r in rows if r["cause"] == EXPECTED[r["fault"].kind])
-    print(f"seed {seed}: {len(faults)} faults injected, {len(rows)} fired, {diagnosed} diagnosed as what they were; "
-          f"wall {wall:.0f} s against {ref_wall:.0f} s uninterrupted ({wall / ref_wall:.1f}x)")
-    for r in rows:
-        f = r["fault"]
-        times = ", ".join(f"{k} {r[k]:.1f} s" for k in ("detection", "recovery") if k in r)
-        print(f"  {f.describe()}: attempt {f.attempt} -> {r['cause']}; {times}; recomputed {r.get('recomputed', '?')}")
-    by_kind: dict[str, list[dict]] = {}
-    for r in rows:
-        by_kind.setdefault(r["fault"].kind, []).append(r)
-    for kind, group in sorted(by_kind.items()):
-        parts = []
-        for key in ("detection", "recovery", "recomputed"):
-            values = [r[key] for r in group if key in r]
-            if values:
-                parts.append(f"{key} {statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
-        print(f"  {kind} x{len(group)}: " + ", ".join(parts))
-    for name, failures in verdict.checks.items():
-        print(f"  check {name}: " + ("ok" if not failures else "FAILED: " + "; ".join(failures)))
+def local_fs() -> None:
+    """LOCAL_FS mounted (a tmpfs), and the test bed's cluster showing it: named in RKIT_SLURM_BINDS, so that `up`
+    restarts a cluster started without it."""
+    LOCAL_FS.mkdir(exist_ok=True)
+    if not os.path.ismount(LOCAL_FS):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={LOCAL_FS_SIZE},mode=0755", "tmpfs", str(LOCAL_FS)],
+                       check=True)
+    os.environ["RKIT_SLURM_BINDS"] = " ".join({*os.environ.get("RKIT_SLURM_BINDS", "").split(), str(LOCAL_FS)})
+    testbed("up")
 
 
 @contextlib.contextmanager
@@ -516,6 +378,7 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=True)
         if not (work / "data").exists():  # enough for the run: 2 files of 400 documents last about 380 steps
             sampledata.make(work / "data", documents_per_file=400 * (-(-steps_for(args.faults) // 300)))
+        local_fs()
         stack.enter_context(slurm_timeouts(*args.timeouts.split(",")))
         reference = None
         for seed in seeds:
