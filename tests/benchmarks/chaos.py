@@ -24,6 +24,9 @@ each drawn from
                 would                                                        expected: disk_full
 and, timed to land in a recovery,
   kill_restore  a rank SIGKILLed as it begins the restore after the previous fault     expected: task_signal
+  corrupt       once the attempt of the previous fault has ended, the step the next one restores is damaged (bit
+                rot: its data files overwritten): rank 1's newest local step, or after a node crash or the loss of
+                rank 1's local steps the run directory's newest                       expected: corrupt_checkpoint
   crash_in_recovery  the node of rank 1 of the attempt after the previous fault crashes once that attempt has
                 started and before its first step                                 expected: node_fail, that node
 Some kills and preemptions fall on a save step (an async save in flight). A crashed node is brought back once the
@@ -72,8 +75,11 @@ LOCAL_FS = Path("/tmp/rkit-chaos-local")
 LOCAL_FS_SIZE = "1g"
 REPAIR_SECONDS = 120  # a crashed node is back at the latest this long after its crash
 KINDS = {"kill": 4, "exit": 3, "preempt": 3, "lose_local": 2, "node_crash": 3, "hang": 1, "supervisor_kill": 1,
-         "disk_full": 1, "kill_restore": 2, "crash_in_recovery": 2}
-FOLLOWERS = ("kill_restore", "crash_in_recovery")  # land in the recovery of the fault before them
+         "disk_full": 1, "kill_restore": 2, "crash_in_recovery": 2, "corrupt": 2}
+FOLLOWERS = ("kill_restore", "crash_in_recovery", "corrupt")  # land in the recovery of the fault before them
+# What the attempt after each kind restores: the local tier (rank 1, the one replica saving there, keeps its node
+# and its steps), else the run directory's newest step (rank 1's local steps lost, or on a crashed node)
+RESTORES_LOCAL = ("kill", "exit", "hang", "lose_local")
 
 
 @dataclass
@@ -124,9 +130,9 @@ def schedule(seed: int, count: int) -> list[Fault]:
         previous = faults[-1] if faults else None
         if kind in FOLLOWERS:
             # only after a fault that ends an attempt by a failure on the run's nodes, and never two in a row
-            if previous is None or previous.kind in FOLLOWERS or previous.kind == "preempt":
-                continue
-            rank = 1 if kind == "crash_in_recovery" else rng.randrange(2)  # rank 1's node: not the batch host
+            if previous is None or previous.kind in (*FOLLOWERS, "preempt", "supervisor_kill", "disk_full"):
+                continue  # (after a supervisor kill or a full disk, the recovery is the user's resume)
+            rank = 1 if kind in BY_HARNESS else rng.randrange(2)  # rank 1's node: not the batch host
             faults.append(Fault(len(faults), kind, previous.step, rank=rank))
             continue
         at = step + rng.randint(10, 25)
@@ -243,6 +249,10 @@ class Campaign:
         not yet trained."""
         if any(f.at is None for f in self.faults[: fault.index]):
             return False
+        if fault.kind == "corrupt":  # once the previous fault's attempt has ended (no rank writes), before the next
+            # attempt restores (it starts at once, its ranks warm: the harness has a second or two)
+            previous = self.faults[fault.index - 1]
+            return any(e["event"] == "attempt.ended" and e["attempt"] == previous.attempt for e in evs)
         if not (self.run / "attempts" / str(n) / "attempt.json").exists():
             return False
         trained = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
@@ -266,6 +276,13 @@ class Campaign:
             proc.kill()
             print(f"  fired {fault.describe()}: supervisor {proc.pid} killed in attempt {n}", flush=True)
             return
+        if fault.kind == "corrupt":
+            previous = self.faults[fault.index - 1]
+            fault.attempt, fault.at = previous.attempt + 1, time.time()
+            local = previous.kind in RESTORES_LOCAL and not (previous.kind == "lose_local" and previous.rank == 1)
+            where = damage_newest(self.run, local)
+            print(f"  fired {fault.describe()}: {where} overwritten after attempt {previous.attempt}", flush=True)
+            return
         if fault.kind == "disk_full":
             fault.at = time.time()
             try:  # but for 64 KiB: where the run took the last of it first, the ballast stops at ENOSPC
@@ -282,6 +299,27 @@ class Campaign:
         self.crashed.append((fault.node, n, fault.at))
         print(f"  fired {fault.describe()}: {fault.node} crashed in attempt {n} (the crash took "
               f"{fault.at - began:.1f} s)", flush=True)
+
+
+def damage_newest(run: Path, local: bool) -> str:
+    """Bit rot in the step the next attempt restores: every data file of rank 1's newest local step (`local`), else
+    of the run directory's newest committed step, overwritten with random bytes (Orbax's files look whole: only
+    the restore finds it). Returns the step directory."""
+    from rkit.contract.rundir import RunDir
+    from rkit.runtime.trainers import localtier
+
+    rundir = RunDir(run)
+    if local:
+        held = [(max(r["steps"]), Path(r["path"])) for r in localtier.records(rundir) if r["steps"]]
+        step, root = max(held)
+        step_dir = root / str(step)
+    else:
+        steps = [p for p in rundir.orbax_dir.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()]
+        step_dir = max(steps, key=lambda p: int(p.name))
+    files = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
+    for f in files:
+        f.write_bytes(os.urandom(100))
+    return f"{step_dir} ({len(files)} data files)"
 
 
 def rank0_step(run: Path) -> int:

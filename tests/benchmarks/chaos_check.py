@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 EXPECTED = {"kill": "task_signal", "exit": "task_exit", "hang": "hang", "preempt": "preempted",
             "lose_local": "task_signal", "kill_restore": "task_signal", "node_crash": "node_fail",
-            "crash_in_recovery": "node_fail", "supervisor_kill": "lost", "disk_full": "disk_full"}
-BY_HARNESS = ("node_crash", "crash_in_recovery", "supervisor_kill", "disk_full")  # the harness fires them
+            "crash_in_recovery": "node_fail", "supervisor_kill": "lost", "disk_full": "disk_full",
+            "corrupt": "corrupt_checkpoint"}
+BY_HARNESS = ("node_crash", "crash_in_recovery", "supervisor_kill", "disk_full", "corrupt")  # the harness fires them
 CRASHES = ("node_crash", "crash_in_recovery")
 
 
