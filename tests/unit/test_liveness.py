@@ -17,8 +17,9 @@ from rkit.backends.base import RankExit
 from rkit.contract import heartbeat
 from rkit.contract.events import EV, valid_event
 from rkit.recipe.load import load_recipe
+from rkit.run.ending import Observation, classify
 from rkit.run.liveness import STARTUP_SILENCE, HeartbeatListener, NodeLiveness, probe_verdict, suspects
-from rkit.run.policy import Budgets, Cause, Observation, Outcome, Tally, classify, decide
+from rkit.run.policy import Budgets, Cause, Outcome, Tally, decide
 
 from ..conftest import TINY, wait_until
 from .test_attempt_loop import STEPS, FakeBackend, Script, attempt, events, make

@@ -280,7 +280,7 @@ def test_data_that_ran_out_is_seen_before_the_hang_its_peers_make_and_is_not_ret
     """The fault campaign's reference run: one process's data ended at step 382 and its peer waited for it; five
     hang restarts, each resuming at the same place in the data, until a crash loop. The line is the ending."""
     from rkit.backends.base import RankExit
-    from rkit.run.policy import Observation, Stop, classify
+    from rkit.run.ending import Observation, Stop, classify
     from rkit.run.watchdog import Hang
 
     said = "rank 1's data ran out (MaxText: 'Training stopped: You may have run out of training data.')"

@@ -138,7 +138,8 @@ def test_a_run_directory_that_refuses_the_supervisors_own_write_is_known_at_the_
 
     from rkit.contract.rundir import RunDir
     from rkit.run import attemptwatch
-    from rkit.run.policy import Cause, Observation, classify
+    from rkit.run.ending import Observation, classify
+    from rkit.run.policy import Cause
 
     run = RunDir(tmp_path / "run")
     run.attempt_dir(1).mkdir(parents=True)
@@ -164,7 +165,8 @@ def test_a_run_directory_that_refuses_the_supervisors_own_write_is_known_at_the_
 def test_a_stopped_rank_is_the_hangs_culprit_before_its_own_silence_passes_the_timeout():
     """Rank 1 SIGSTOPped; rank 0 blocks in the next collective. The supervisor read rank 0's last line first, so at
     the check only rank 0 is past the timeout (CI under load): the stopped rank is still named, with its step."""
-    from rkit.run.policy import Cause, Observation, classify
+    from rkit.run.ending import Observation, classify
+    from rkit.run.policy import Cause
 
     watch = HangWatch(HangPolicy(explicit=60.0, enabled=True, floor=30.0, factor=5.0, startup=300.0,
                                  checkpoint_period=0), ranks=[0, 1], started=0.0)

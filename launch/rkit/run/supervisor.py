@@ -24,6 +24,7 @@ from rkit.run import cadence, elastic, preflight
 from rkit.run.attempt import attempt_request
 from rkit.run.attemptrecord import close_record, lost_attempt, refuse_if_alive, started_at
 from rkit.run.attemptwatch import AttemptWatch
+from rkit.run.ending import Ending, Observation, Stop, classify
 from rkit.run.exclusions import Exclusions
 from rkit.run.liveness import detection
 from rkit.run.oomkills import OomWatch
@@ -33,14 +34,10 @@ from rkit.run.policy import (
     Budgets,
     Cause,
     Decision,
-    Ending,
-    Observation,
     Outcome,
     Progress,
     RunState,
-    Stop,
     Tally,
-    classify,
     decide,
     tally_from_events,
 )
