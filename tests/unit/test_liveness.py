@@ -220,6 +220,31 @@ def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
         live.close()
 
 
+def test_a_node_heard_from_then_silent_early_in_an_attempt_is_suspected_after_the_silence_not_the_start_up():
+    """The campaign (seed 2): the spare, heard from as the attempt began, crashed 18 s in; the start-up allowance
+    (30 s) still held its silence, no probe went out, and the survivor's broken collective was blamed instead."""
+    now = [0.0]
+    probes: list[str] = []
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or Running(), lambda n: None,
+                        silence=3, probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    try:
+        live.watch(1, ["c1", "c2"], 1)
+        to = live.listener.sock.getsockname()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            now[0] = 2.0
+            for node in ("c1", "c2"):
+                sock.sendto(heartbeat.encode(live.listener.token, node, 1, 0), to)
+            wait_until(lambda: live.check({0: 2.0, 1: 2.0}) and live.heard == {"c1", "c2"}, 10, "both beats")
+            for t in (4.0, 6.0):  # c1 beats on and steps; c2 (rank 1) is silent from t=2
+                now[0] = t
+                sock.sendto(heartbeat.encode(live.listener.token, "c1", 1, 1), to)
+                wait_until(lambda: live.check({0: now[0], 1: 2.0}) is not None and live.since["c1"] >= t - 0.5, 10,
+                           "c1's beat")
+        assert probes == ["c2"] and now[0] < STARTUP_SILENCE
+    finally:
+        live.close()
+
+
 @pytest.mark.parametrize("slurmd", ["refuses", "answers"])
 def test_a_probe_that_does_not_answer_in_time_is_a_death_only_when_the_nodes_slurmd_is_silent_too(slurmd):
     now = [0.0]

@@ -290,8 +290,10 @@ class NodeLiveness:
         for beat, arrived in self.listener.drain():
             if beat.attempt == self.attempt and beat.node in self.since:
                 self.deaf.discard(beat.node)
-                # stamped by its arrival (a pass that comes late does not make the beat newer than it is)
-                self.since[beat.node] = max(self.since[beat.node], now - max(0.0, time.time() - arrived))
+                # stamped by its arrival (a pass that comes late does not make the beat newer than it is); the first
+                # beat ends the start-up allowance (a node that dies 10 s into an attempt is silent from then on)
+                stamp = now - max(0.0, time.time() - arrived)
+                self.since[beat.node] = max(self.since[beat.node], stamp) if beat.node in self.heard else stamp
                 self.heard.add(beat.node)
                 self.backoff.pop(beat.node, None)
                 if (probe := self.probes.pop(beat.node, None)) is not None:
