@@ -191,12 +191,13 @@ class FakeBackend:
                 handle.failed_nodes.append("n2")
             elif rank == 1 and self.script.at("hang", handle.attempt, step):
                 handle.silent.add(rank)
-            elif rank == 0 and self.script.at("diskfull", handle.attempt, step):
+            elif rank == 0 and (where := self.script.at("diskfull", handle.attempt, step)):
                 # Orbax's async save fails for space; the trainer logs it and sits (it does not exit).
                 log = self.run.rank_log(handle.attempt, 0)
                 log.parent.mkdir(parents=True, exist_ok=True)
                 log.write_text("I1130 step 8\nE1130 RESOURCE_EXHAUSTED: Error writing local file "
-                               "checkpoints/8.orbax-checkpoint-tmp/d/0: No space left on device\n")
+                               "checkpoints/8.orbax-checkpoint-tmp/d/0: No space left on device\n" if where is True
+                               else f"I1207 step 8\n{where[0]}\n")
                 handle.silent.add(rank)
             elif rank == 0 and self.script.at("interrupt", handle.attempt, step):
                 self.sup_ref[0].request_stop()
@@ -767,6 +768,23 @@ def test_disk_full_ends_the_attempt_at_once_and_the_run_stops(tmp_path):
     assert reason.startswith("disk full: ") and "free space" in reason and "--resume" in reason
     assert events(sup.run, EV.ATTEMPT_FAILED)[0]["cls"] == "disk_full" and backend.stops == [0]
     assert not events(sup.run, EV.ATTEMPT_HANG)  # found in the log, long before the hang timeout
+
+
+def test_a_full_node_local_tier_is_named_as_such_not_as_the_run_directorys_file_system(tmp_path):
+    """The campaign (seed 2): the node-local tier's disk filled; the attempt was rightly disk_full, but its line
+    gave the run directory's file system ("file system /: 79858266112 bytes free"), which had room."""
+    said = ("E1207 21:19:00.479408 future.py:387] [process=1] _SignalingThread.run() raised an exception: "
+            "RESOURCE_EXHAUSTED: Error writing \"params.params.token_embedder.embedding/c/0/0\" in OCDBT database at "
+            "local file \"/local/nvme/c2/rkit-x/c2-0/258.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/"
+            "ocdbt.process_1/\": Failed writing: No space left on device")
+    sup, _ = make(tmp_path, Script(diskfull=(None, 8, said)), "resilience.hang_timeout=600",
+                  "checkpoint.local_dir=/local/nvme/$SLURMD_NODENAME", "trainer.overrides.ici_data_parallelism=-1",
+                  "trainer.overrides.ici_fsdp_parallelism=1")
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.DISK_FULL
+    assert outcome.detail.endswith("(the node-local tier, checkpoint.local_dir /local/nvme/$SLURMD_NODENAME, on the "
+                                   "rank's node: free space there)"), outcome.detail
+    assert "bytes free" not in outcome.detail
 
 
 def test_a_rank_failing_on_a_full_file_system_is_disk_full_even_with_a_silent_log(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ CULPRIT_LOGS = 64
 PEER_GRACE_SECONDS = 10.0
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
 FULL_BYTES = 1 << 20
+# The path a failed write names: TensorStore's `local file "/..."`, Python's `[Errno 28] ...: '/...'`.
+QUOTED_PATH = re.compile(r"[\"'](/[^\"']+)[\"']")
 # How often the supervisor writes to the run directory itself during an attempt (the attempt folder's time stamp):
 # a file system remounted read-only after an error is then known within seconds, not by the hang watch minutes
 # later, when the ranks' own writes fail silently.
@@ -152,12 +155,31 @@ class AttemptWatch:
         line = self.logs.disk_full(force)
         if line is None and not force:
             return None
+        if line is not None and (elsewhere := self._written_elsewhere(line)) is not None:
+            return f"{line} ({elsewhere})"
         mount, free = filesystem(self.sup.run.orbax_dir)
         if line is None:
             if free is None or free > FULL_BYTES:
                 return None
             line = "a rank failed or stopped with no room left on the run directory's file system"
         return f"{line} (file system {mount}: {'?' if free is None else free} bytes free)"
+
+    def _written_elsewhere(self, line: str) -> str | None:
+        """Where a failed write went when its line names a path outside the run directory: the node-local tier
+        (checkpoint.local_dir) or another file system of the rank's node, which this host cannot measure (its own
+        file at that path, if any, is another disk). None for a write into the run directory, or no path."""
+        found = QUOTED_PATH.search(line)
+        if found is None:
+            return None
+        path = found.group(1)
+        root = os.path.realpath(self.sup.run.path)
+        if Path(path).is_relative_to(self.sup.run.path) or path == root or path.startswith(root + "/"):
+            return None
+        local = self.sup.config.checkpoint.local_dir
+        prefix = local.split("$", 1)[0].rstrip("/") if local else None
+        if prefix and path.startswith(prefix + "/"):
+            return f"the node-local tier, checkpoint.local_dir {local}, on the rank's node: free space there"
+        return f"a file system of the rank's node outside the run directory: {path}"
 
     def write_refused(self) -> str | None:
         now = time.monotonic()
