@@ -186,6 +186,10 @@ class FakeBackend:
                 handle.exits[rank] = RankExit(rank, 1, "n2")
             elif rank == 1 and self.script.at("kill", handle.attempt, step):
                 handle.exits[rank] = RankExit(rank, -signal.SIGKILL, "n2")
+            elif rank == 0 and self.script.at("nodepeer", handle.attempt, step):
+                handle.exits[0] = RankExit(0, 1, "n1")  # rank 0's collective broke; rank 1's exit not seen yet
+                handle.failed_nodes.append("n2")
+                handle.silent.add(1)
             elif rank == 1 and self.script.at("node", handle.attempt, step):
                 handle.exits[rank] = RankExit(rank, -signal.SIGKILL, "n2")
                 handle.failed_nodes.append("n2")
@@ -445,6 +449,16 @@ def test_lost_node_is_excluded(tmp_path):
     assert outcome.detail == "node failure on n2 (rank 1 lost after step 7)"
     assert backend.exclude == ["n2"] and events(sup.run, EV.NODES_EXCLUDED)[0]["healthy"] == ["n1", "n3"]
     assert backend.nodes(None) == ["n1", "n3"]  # the next attempt runs on the spare
+
+
+def test_a_lost_node_seen_first_through_a_survivors_failure_names_the_survivor_as_such(tmp_path):
+    """The campaign (seed 2): srun reported rank 0's failure (its collective broke) with c2 lost, and the attempt read
+    "node failure on c2 (rank 0 lost after step 347)", though rank 0 ran on c1, which lived."""
+    sup, _ = make(tmp_path, Script(nodepeer=(1, 7)))
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.NODE_FAIL and outcome.nodes == ("n2",)
+    assert outcome.detail == "node failure on n2 (after step 7; rank 0 on n1 failed with it)", outcome.detail
+    assert outcome.rank is None
 
 
 def test_lost_node_without_a_spare_requeues(tmp_path):

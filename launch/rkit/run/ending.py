@@ -148,8 +148,14 @@ def classify(obs: Observation) -> Ending | None:
         last = obs.last_steps.get(first.rank)
         if obs.failed_nodes:
             lost = tuple(obs.failed_nodes)
-            return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} (rank {first.rank} lost "
-                                           f"{_after(last)})", Stop.NOW, rank=first.rank, code=first.returncode,
+            on_lost = next((e for e in failed if e.node in lost), None)  # a rank of the lost node, if seen yet
+            if on_lost is None:  # only a survivor's failure seen (its collective broke): named as such
+                return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} ({_after(obs.step)}; rank "
+                                               f"{first.rank} on {first.node or '?'} failed with it)", Stop.NOW,
+                              step=obs.step, nodes=lost, exclude=lost)
+            last = obs.last_steps.get(on_lost.rank)
+            return Ending(Cause.NODE_FAIL, f"node failure on {', '.join(lost)} (rank {on_lost.rank} lost "
+                                           f"{_after(last)})", Stop.NOW, rank=on_lost.rank, code=on_lost.returncode,
                           step=last, nodes=lost, exclude=lost)
         said = f": {obs.rank_error}" if obs.rank_error else ""
         if obs.out_of_memory:
