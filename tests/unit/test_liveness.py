@@ -220,6 +220,29 @@ def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
         live.close()
 
 
+def test_a_node_that_died_before_its_first_heartbeat_and_step_is_probed_not_taken_for_a_deaf_one():
+    """The campaign (seed 2): a node crashed as the attempt launched; its rank's progress was the attempt's start
+    (the hang watch's, before any step), read as "its ranks train", so the node was taken for one whose heartbeats
+    cannot arrive and left to Slurm, which saw it 127 s later."""
+    now = [0.0]
+    probes: list[str] = []
+    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or Running(), lambda n: None,
+                        silence=3, probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    try:
+        live.watch(1, ["c1", "c2"], 1)
+        to = live.listener.sock.getsockname()
+        notes = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _ in range(int(STARTUP_SILENCE) + 2):  # c1 beats; c2 never does; neither rank steps
+                sock.sendto(heartbeat.encode(live.listener.token, "c1", 1, 0), to)
+                now[0] += 1
+                notes += live.check({0: 0.0, 1: 0.0})[0]
+        assert not [n for n in notes if n["event"] == "liveness.channel"], notes
+        assert probes == ["c2"]
+    finally:
+        live.close()
+
+
 def test_a_node_heard_from_then_silent_early_in_an_attempt_is_suspected_after_the_silence_not_the_start_up():
     """The campaign (seed 2): the spare, heard from as the attempt began, crashed 18 s in; the start-up allowance
     (30 s) still held its silence, no probe went out, and the survivor's broken collective was blamed instead."""

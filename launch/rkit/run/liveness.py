@@ -355,8 +355,9 @@ class NodeLiveness:
         heartbeat no longer watches them (no probe storm whenever a step is slow): Slurm's view does."""
         notes = []
         for node, ranks in self.ranks_of.items():
+            # (a rank's progress starts at the attempt's start, before its first step: only a later one is a step)
             if node in self.heard or node in self.deaf or now < self.watched_at + STARTUP_SILENCE or \
-                    not any(r in progress for r in ranks):
+                    not any(progress.get(r, self.watched_at) > self.watched_at + 1.0 for r in ranks):
                 continue
             self.deaf.add(node)
             where = self.listener.environment()[heartbeat.ADDRESS_ENV]
