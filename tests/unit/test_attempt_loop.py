@@ -801,6 +801,23 @@ def test_a_full_node_local_tier_is_named_as_such_not_as_the_run_directorys_file_
     assert "bytes free" not in outcome.detail
 
 
+def test_a_full_disk_whose_line_names_no_path_takes_the_path_from_the_lines_before(tmp_path):
+    """The campaign (seed 1): Python's bare `OSError: [Errno 28] No space left on device` from a local-tier save,
+    after Orbax's line naming the step's directory; the attempt's line gave the run directory's file system
+    ("file system /: 80113479680 bytes free"), which had room."""
+    said = ("E1207 21:32:13.608951 140065553540800 async_checkpointer.py:264] [process=1] Failed to run 4 Handler "
+            "Commit operations or the Commit callback in background save thread, directory: "
+            "/local/nvme/c2/rkit-chaos-1/c2-0/126\nOSError: [Errno 28] No space left on device")
+    sup, _ = make(tmp_path, Script(diskfull=(None, 8, said)), "resilience.hang_timeout=600",
+                  "checkpoint.local_dir=/local/nvme/$SLURMD_NODENAME", "trainer.overrides.ici_data_parallelism=-1",
+                  "trainer.overrides.ici_fsdp_parallelism=1")
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.DISK_FULL
+    assert outcome.detail == ("disk full: OSError: [Errno 28] No space left on device (the node-local tier, "
+                              "checkpoint.local_dir /local/nvme/$SLURMD_NODENAME, on the rank's node: free space "
+                              "there)"), outcome.detail
+
+
 def test_a_rank_failing_on_a_full_file_system_is_disk_full_even_with_a_silent_log(tmp_path, monkeypatch):
     # The whole run directory on the full file system: the rank's log could not take the error either.
     import rkit.run.attemptwatch

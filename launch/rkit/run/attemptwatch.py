@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from rkit.run.ranklogs import (
     LOG_LINE,
     OUT_OF_MEMORY,
     PEER_FAILED,
+    WRITE_PATH,
     LogScan,
     jax_silent_tasks,
     last_error_lines,
@@ -57,8 +57,6 @@ CULPRIT_LOGS = 64
 PEER_GRACE_SECONDS = 10.0
 # Fewer free bytes than this on the checkpoints' file system when a rank fails or hangs: the disk is full.
 FULL_BYTES = 1 << 20
-# The path a failed write names: TensorStore's `local file "/..."`, Python's `[Errno 28] ...: '/...'`.
-QUOTED_PATH = re.compile(r"[\"'](/[^\"']+)[\"']")
 # How often the supervisor writes to the run directory itself during an attempt (the attempt folder's time stamp):
 # a file system remounted read-only after an error is then known within seconds, not by the hang watch minutes
 # later, when the ranks' own writes fail silently.
@@ -168,10 +166,10 @@ class AttemptWatch:
         """Where a failed write went when its line names a path outside the run directory: the node-local tier
         (checkpoint.local_dir) or another file system of the rank's node, which this host cannot measure (its own
         file at that path, if any, is another disk). None for a write into the run directory, or no path."""
-        found = QUOTED_PATH.search(line)
-        if found is None:
+        found = WRITE_PATH.search(line)
+        path = (found.group(1) or found.group(2)) if found else self.logs.disk_full_path()
+        if path is None:
             return None
-        path = found.group(1)
         root = os.path.realpath(self.sup.run.path)
         if Path(path).is_relative_to(self.sup.run.path) or path == root or path.startswith(root + "/"):
             return None

@@ -15,6 +15,9 @@ from rkit.contract.safeio import open_regular
 DISK_FULL = re.compile(rb"No space left on device|Disk quota exceeded|\[Errno 28\]|\[Errno 122\]"
                        rb"|RESOURCE_EXHAUSTED[^\n]*(?:[Ee]rror writing|[Ww]rite|[Nn]o space|[Qq]uota)")
 MAX_READ = 1 << 20  # per log and look: a burst of output is read over several looks
+# A path a failed write names: quoted (TensorStore's `local file "/..."`, Python's `: '/...'`) or Orbax's
+# `directory: /...`.
+WRITE_PATH = re.compile(r"[\"'](/[^\"'\n]+)[\"']|directory: (/\S+)")
 
 
 # A restore that failed: TensorStore's DATA_LOSS/NOT_FOUND on a checkpoint's files, Orbax's own errors, MaxText
@@ -96,6 +99,17 @@ class LogScan:
         """The first log line that says a write failed for space, once one was written."""
         hit = self.scan(force).get("disk_full")
         return hit[0] if hit else None
+
+    def disk_full_path(self) -> str | None:
+        """The path the failed write was to, where the line itself names none (Python's bare `OSError: [Errno 28]
+        No space left on device`): the last path in the lines before it (Orbax's `Failed to run ... in background
+        save thread, directory: /...`). Read once the line was found."""
+        hit = self.found.get("disk_full")
+        text = tail_text(hit[1]) if hit else None
+        if not hit or text is None or (at := text.rfind(hit[0])) < 0:
+            return None
+        paths = WRITE_PATH.findall(text, max(0, at - 4096), at)
+        return next((a or b for a, b in reversed(paths)), None)
 
     def restore_failed(self, force: bool = False) -> tuple[str, Path] | None:
         """The first log saying a restore failed, of those whose rank did not say its restore was broken off
