@@ -257,8 +257,10 @@ class Campaign:
             return False
         trained = any(e["event"] == "attempt.first_step" and e["attempt"] == n for e in evs)
         ended = any(e["event"] == "attempt.ended" and e["attempt"] == n for e in evs)
-        if fault.kind in ("node_crash", "supervisor_kill", "disk_full"):  # into a live attempt, not one ending
-            return trained and not ended and rank0_step(self.run) >= fault.step
+        if fault.kind in ("node_crash", "supervisor_kill", "disk_full"):  # into a live attempt, not one ending,
+            # and not one an earlier fault hit (a full disk is found at a later save: the attempt trains on a while)
+            hit = max((f.attempt for f in self.faults[: fault.index] if f.attempt is not None), default=0)
+            return trained and not ended and n > hit and rank0_step(self.run) >= fault.step
         previous = self.faults[fault.index - 1]
         return n > previous.attempt and not trained
 
