@@ -218,6 +218,9 @@ class Campaign:
                         time.time() - when > REPAIR_SECONDS:
                     testbed("restore", node)
                     self.crashed.remove((node, at, when))
+            if any(f.kind == "disk_full" and f.at is not None and not any(
+                    e["event"] == "attempt.ended" and e["attempt"] == f.attempt for e in evs) for f in self.faults):
+                self.fill()
             fault = next((f for f in self.faults if f.kind in BY_HARNESS and f.at is None), None)
             attempt = current_attempt(evs)
             if fault is not None and attempt is not None and self.due(fault, evs, attempt["attempt"]):
@@ -227,6 +230,17 @@ class Campaign:
                 print(f"  resumed: job {self.jobs[-1]}", flush=True)
             time.sleep(0.5)
         raise TimeoutError(f"{self.run}: not done in {timeout:.0f} s")
+
+    def fill(self) -> None:
+        """The local tier's file system full but for 64 KiB, topped up each round while the attempt a disk_full
+        hit runs (as another job's data would grow): the local tier's retention frees old steps after each save,
+        and without it the disk was found full only 13 steps later (seed 1), past the next fault's step."""
+        try:  # where the run took the last of it first, the ballast stops at ENOSPC
+            with open(self.mount / "ballast", "ab") as ballast:
+                ballast.write(b"\0" * max(0, shutil.disk_usage(self.mount).free - 65536))
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
 
     def resume_due(self) -> bool:
         """(Its job has left the queue.) A supervisor was killed and the run says it stopped, or the checkpoint
@@ -287,11 +301,7 @@ class Campaign:
             return
         if fault.kind == "disk_full":
             fault.at = time.time()
-            try:  # but for 64 KiB: where the run took the last of it first, the ballast stops at ENOSPC
-                (self.mount / "ballast").write_bytes(b"\0" * max(0, shutil.disk_usage(self.mount).free - 65536))
-            except OSError as err:
-                if err.errno != errno.ENOSPC:
-                    raise
+            self.fill()
             print(f"  fired {fault.describe()}: {self.mount} filled in attempt {n}", flush=True)
             return
         nodes = json.loads((self.run / "attempts" / str(n) / "attempt.json").read_text())["launch"]["nodes"]
