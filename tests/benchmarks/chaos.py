@@ -369,10 +369,12 @@ def campaign(work: Path, image: str, seed: int, count: int, reference: tuple[Pat
     for f in faults:
         print(f"  {f.describe()}", flush=True)
     args = recipe_args(work, image, steps, len(faults))
-    if reference is None:  # one per invocation: every seed's run has the same length and recipe
+    if reference is None:  # one per invocation (or per --keep folder): every seed's run has the same recipe
         ref = Campaign(work, f"reference-{steps}", args, [])
-        ref.submit()
-        reference = (ref.run, ref.drive(timeout))
+        done = [e for e in events(ref.run) if e["event"] == "run.finished"] if ref.run.is_dir() else []
+        if not done:
+            ref.submit()
+        reference = (ref.run, done[0]["t"] - events(ref.run)[0]["t"] if done else ref.drive(timeout))
         print(f"reference: {steps} steps uninterrupted in {reference[1]:.0f} s", flush=True)
     chaos = Campaign(work, f"chaos-{seed}", args, faults)
     chaos.submit()
