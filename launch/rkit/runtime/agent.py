@@ -360,6 +360,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
     from rkit.runtime.trainers.maxtext import (
         after_initialize,
         credentials_given,
+        guard_the_preemption_sync_point,
         hook_the_train_loop,
         mesh_record,
         rank_overrides,
@@ -375,6 +376,7 @@ def main(argv: list[str] | None = None, lifeline: int | None = None) -> None:
 
     tier = local_tier(ctx)
     hook_the_train_loop(Injector(ctx, pump, tier).at_step, pump.batch)
+    guard_the_preemption_sync_point()
     route_tensorboard(ctx.run)
     restore_elastic_positions_at_any_count()
     def after_set_up(config: object) -> None:

@@ -262,6 +262,35 @@ def hook_the_train_loop(on_step: Callable[[int], None],
     data_loader.DataLoader.load_next_batch_pre_sharding = load_next_batch_pre_sharding
 
 
+def guard_the_preemption_sync_point() -> None:
+    """In the training environment, before MaxText's train.main. JAX's preemption sync point is the fastest
+    process's last step given to `reached_preemption_sync_point` + 1, and it is reached only by a call with exactly
+    that step. Orbax's CheckpointManager asks too, from its save-finalize thread, with the step it saved: when an
+    async save finishes just after the loop asked for the next step, JAX's counter goes back to the saved step,
+    and a SIGTERM then sets the sync point to a step the loop has passed. The save never comes, and the ranks train
+    on to the next period (the fault campaign, seed 1: a preemption as step 230's save finished saved at 250, 20
+    steps later; at a real step time, past the signal's grace). A step below the highest asked is answered here,
+    False, without reaching JAX's counter."""
+    import threading
+
+    from jax.experimental import multihost_utils
+
+    reached = multihost_utils.reached_preemption_sync_point
+    if getattr(reached, "rkit_hooked", False):
+        return
+    lock, highest = threading.Lock(), [-1]
+
+    def reached_preemption_sync_point(step_id: int) -> bool:
+        with lock:
+            if step_id < highest[0]:
+                return False  # a step already passed (a save's finalize thread): JAX's counter stays the loop's
+            highest[0] = step_id
+            return reached(step_id)
+
+    reached_preemption_sync_point.rkit_hooked = True  # type: ignore[attr-defined]
+    multihost_utils.reached_preemption_sync_point = reached_preemption_sync_point
+
+
 def restore_elastic_positions_at_any_count() -> None:
     """In the training environment, before MaxText's train.main. Grain's ElasticIterator keeps one global
     position (global_next_index) that is meant to restore on any process count, but MaxText 0.2.5 only knows it by
