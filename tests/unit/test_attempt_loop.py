@@ -174,7 +174,7 @@ class FakeBackend:
                 jax_abort(self.run, handle, step, srun_ends_it=how is not True)
                 self.peer_failed_at = self.sup_ref[0].clock.now
             elif rank == 1 and (how := self.script.at("leaderhang", handle.attempt, step)):
-                leader_abort(self.run, handle, step, srun_ends_it=how is not True)
+                jax_abort(self.run, handle, step, srun_ends_it=how is not True, stopped=0)
                 self.peer_failed_at = self.sup_ref[0].clock.now
             elif rank == 0 and self.script.at("peeronly", handle.attempt, step):
                 peer_race(self.run, handle, step, (handle.attempt,), silent=True)
@@ -324,29 +324,20 @@ LEADER_ABORT = ("F1207 21:04:11.201562      29 client.h:86] Terminating process 
                 "(most recent call first):\n  File \"train.py\", line 9 in train_loop\n")
 
 
-def leader_abort(run: RunDir, handle: FakeHandle, step: int, srun_ends_it: bool = False) -> None:
-    """Rank 0 stops; JAX aborts rank 1 when its heartbeats to rank 0's coordination service time out."""
-    log = run.rank_log(handle.attempt, 1)
+def jax_abort(run: RunDir, handle: FakeHandle, step: int, srun_ends_it: bool = False, stopped: int = 1) -> None:
+    """Rank `stopped` stops (it never exits); JAX's coordination service aborts the other rank for it (SIGABRT in its
+    container: 134): rank 0 with JAX_ABORT when rank 1 stopped, rank 1 with LEADER_ABORT when rank 0 (the service's
+    host) did. `srun_ends_it`: srun (--kill-on-bad-exit) then kills the stopped rank at once, as on the test bed."""
+    aborted = 1 - stopped
+    log = run.rank_log(handle.attempt, aborted)
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"I1207 completed step: {step}\n{LEADER_ABORT}")
-    handle.exits[1] = RankExit.in_container(1, 134, "n2")
+    log.write_text(f"I1207 completed step: {step}\n{LEADER_ABORT if stopped == 0 else JAX_ABORT}")
+    nodes = ("n1", "n2")
+    handle.exits[aborted] = RankExit.in_container(aborted, 134, nodes[aborted])
     if srun_ends_it:
-        handle.exits[0] = RankExit(0, -signal.SIGTERM, "n1", ended_by_launcher=True)
+        handle.exits[stopped] = RankExit(stopped, -signal.SIGTERM, nodes[stopped], ended_by_launcher=True)
     else:
-        handle.silent.add(0)
-
-
-def jax_abort(run: RunDir, handle: FakeHandle, step: int, srun_ends_it: bool = False) -> None:
-    """Rank 1 stops (it never exits); JAX's coordination service aborts rank 0 for it (SIGABRT in its container:
-    134). `srun_ends_it`: srun (--kill-on-bad-exit) then kills the stopped rank 1 at once, as on the test bed."""
-    log = run.rank_log(handle.attempt, 0)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"I1207 completed step: {step}\n{JAX_ABORT}")
-    handle.exits[0] = RankExit.in_container(0, 134, "n1")
-    if srun_ends_it:
-        handle.exits[1] = RankExit(1, -signal.SIGTERM, "n2", ended_by_launcher=True)
-    else:
-        handle.silent.add(1)
+        handle.silent.add(stopped)
 
 
 def commit(run: RunDir, step: int) -> None:
@@ -784,38 +775,29 @@ def test_disk_full_ends_the_attempt_at_once_and_the_run_stops(tmp_path):
     assert not events(sup.run, EV.ATTEMPT_HANG)  # found in the log, long before the hang timeout
 
 
-def test_a_full_node_local_tier_is_named_as_such_not_as_the_run_directorys_file_system(tmp_path):
-    """The campaign (seed 2): the node-local tier's disk filled; the attempt was rightly disk_full, but its line
-    gave the run directory's file system ("file system /: 79858266112 bytes free"), which had room."""
-    said = ("E1207 21:19:00.479408 future.py:387] [process=1] _SignalingThread.run() raised an exception: "
-            "RESOURCE_EXHAUSTED: Error writing \"params.params.token_embedder.embedding/c/0/0\" in OCDBT database at "
-            "local file \"/local/nvme/c2/rkit-x/c2-0/258.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/"
-            "ocdbt.process_1/\": Failed writing: No space left on device")
+# A full node-local tier in the ranks' words (the fault campaign): TensorStore's line with the path, and Python's
+# bare OSError after Orbax's line naming the step's directory.
+TENSORSTORE_FULL = ("E1207 21:19:00.479408 future.py:387] [process=1] _SignalingThread.run() raised an exception: "
+                    "RESOURCE_EXHAUSTED: Error writing \"params.params.token_embedder.embedding/c/0/0\" in OCDBT "
+                    "database at local file \"/local/nvme/c2/rkit-x/c2-0/258.orbax-checkpoint-tmp/"
+                    "state.orbax-checkpoint-tmp/ocdbt.process_1/\": Failed writing: No space left on device")
+ORBAX_THEN_OSERROR = ("E1207 21:32:13.608951 140065553540800 async_checkpointer.py:264] [process=1] Failed to run 4 "
+                      "Handler Commit operations or the Commit callback in background save thread, directory: "
+                      "/local/nvme/c2/rkit-chaos-1/c2-0/126\nOSError: [Errno 28] No space left on device")
+
+
+@pytest.mark.parametrize("said", [TENSORSTORE_FULL, ORBAX_THEN_OSERROR])
+def test_a_full_node_local_tier_is_named_as_such_not_as_the_run_directorys_file_system(tmp_path, said):
+    """The campaign (seeds 1 and 2): the node-local tier's disk filled; the attempt was rightly disk_full, but its
+    line gave the run directory's file system ("file system /: 79858266112 bytes free"), which had room. A line
+    with no path of its own (Python's bare OSError) takes it from the lines before."""
     sup, _ = make(tmp_path, Script(diskfull=(None, 8, said)), "resilience.hang_timeout=600",
                   "checkpoint.local_dir=/local/nvme/$SLURMD_NODENAME", "trainer.overrides.ici_data_parallelism=-1",
                   "trainer.overrides.ici_fsdp_parallelism=1")
     outcome = attempt(sup)
     assert outcome.cause is Cause.DISK_FULL
-    assert outcome.detail.endswith("(the node-local tier, checkpoint.local_dir /local/nvme/$SLURMD_NODENAME, on the "
-                                   "rank's node: free space there)"), outcome.detail
-    assert "bytes free" not in outcome.detail
-
-
-def test_a_full_disk_whose_line_names_no_path_takes_the_path_from_the_lines_before(tmp_path):
-    """The campaign (seed 1): Python's bare `OSError: [Errno 28] No space left on device` from a local-tier save,
-    after Orbax's line naming the step's directory; the attempt's line gave the run directory's file system
-    ("file system /: 80113479680 bytes free"), which had room."""
-    said = ("E1207 21:32:13.608951 140065553540800 async_checkpointer.py:264] [process=1] Failed to run 4 Handler "
-            "Commit operations or the Commit callback in background save thread, directory: "
-            "/local/nvme/c2/rkit-chaos-1/c2-0/126\nOSError: [Errno 28] No space left on device")
-    sup, _ = make(tmp_path, Script(diskfull=(None, 8, said)), "resilience.hang_timeout=600",
-                  "checkpoint.local_dir=/local/nvme/$SLURMD_NODENAME", "trainer.overrides.ici_data_parallelism=-1",
-                  "trainer.overrides.ici_fsdp_parallelism=1")
-    outcome = attempt(sup)
-    assert outcome.cause is Cause.DISK_FULL
-    assert outcome.detail == ("disk full: OSError: [Errno 28] No space left on device (the node-local tier, "
-                              "checkpoint.local_dir /local/nvme/$SLURMD_NODENAME, on the rank's node: free space "
-                              "there)"), outcome.detail
+    assert outcome.detail == (f"disk full: {said.splitlines()[-1]} (the node-local tier, checkpoint.local_dir "
+                              "/local/nvme/$SLURMD_NODENAME, on the rank's node: free space there)"), outcome.detail
 
 
 def test_a_rank_failing_on_a_full_file_system_is_disk_full_even_with_a_silent_log(tmp_path, monkeypatch):

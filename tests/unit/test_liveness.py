@@ -220,16 +220,22 @@ def test_before_its_first_heartbeat_a_node_has_the_start_up_allowance():
         live.close()
 
 
-def test_a_node_that_died_before_its_first_heartbeat_and_step_is_probed_not_taken_for_a_deaf_one():
-    """The campaign (seed 2): a node crashed as the attempt launched; its rank's progress was the attempt's start
-    (the hang watch's, before any step), read as "its ranks train", so the node was taken for one whose heartbeats
-    cannot arrive and left to Slurm, which saw it 127 s later."""
+def watched_pair() -> tuple[list[float], list[str], NodeLiveness]:
+    """c1 and c2 watched for attempt 1 (silence 3 s) on a clock set by hand; the probes started, named."""
     now = [0.0]
     probes: list[str] = []
     live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or Running(), lambda n: None,
                         silence=3, probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    live.watch(1, ["c1", "c2"], 1)
+    return now, probes, live
+
+
+def test_a_node_that_died_before_its_first_heartbeat_and_step_is_probed_not_taken_for_a_deaf_one():
+    """The campaign (seed 2): a node crashed as the attempt launched; its rank's progress was the attempt's start
+    (the hang watch's, before any step), read as "its ranks train", so the node was taken for one whose heartbeats
+    cannot arrive and left to Slurm, which saw it 127 s later."""
+    now, probes, live = watched_pair()
     try:
-        live.watch(1, ["c1", "c2"], 1)
         to = live.listener.sock.getsockname()
         notes = []
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -246,12 +252,8 @@ def test_a_node_that_died_before_its_first_heartbeat_and_step_is_probed_not_take
 def test_a_node_heard_from_then_silent_early_in_an_attempt_is_suspected_after_the_silence_not_the_start_up():
     """The campaign (seed 2): the spare, heard from as the attempt began, crashed 18 s in; the start-up allowance
     (30 s) still held its silence, no probe went out, and the survivor's broken collective was blamed instead."""
-    now = [0.0]
-    probes: list[str] = []
-    live = NodeLiveness(HeartbeatListener("127.0.0.1"), lambda n: probes.append(n) or Running(), lambda n: None,
-                        silence=3, probe_timeout=5, jax_heartbeat_seconds=16, clock=lambda: now[0])
+    now, probes, live = watched_pair()
     try:
-        live.watch(1, ["c1", "c2"], 1)
         to = live.listener.sock.getsockname()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             now[0] = 2.0
