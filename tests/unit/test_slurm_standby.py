@@ -143,6 +143,24 @@ def test_the_spare_is_warm_too_and_an_attempt_on_it_gets_each_tasks_rank(tmp_pat
     pool.dismiss()
 
 
+def test_a_later_jobs_standby_steps_never_share_an_earlier_jobs_folder_and_srun_log(tmp_path: Path):
+    """The fault campaign (seed 2): each job's supervisor numbered its standby steps from 1 again, so a requeued job's
+    step wrote on into an earlier job's srun log; its attempt read the earlier step's lines ("task 0: Killed", a
+    node's loss) as its own, and a rank's exit 85 became a node failure on a healthy node."""
+    calls: list[str] = []
+    steps_dirs = []
+    for job in (1, 2):  # one supervisor per job of the run
+        pool = make_pool(calls, ["c1", "c2"])
+        pool.remember(request(tmp_path, job))
+        pool.fill()
+        seen = pool_until(pool, "started")
+        steps_dirs.append({n["step"] for n in seen if n["what"] == "started"})
+        pool.dismiss()
+    assert len(steps_dirs[0]) == len(steps_dirs[1]) == 2 and not steps_dirs[0] & steps_dirs[1], steps_dirs
+    logs = sorted((tmp_path / "standby").glob("step-*/" + RunDir.launcher_log_name))
+    assert len(logs) == 4
+
+
 def test_a_standby_step_not_ready_or_of_another_environment_is_cancelled_and_the_attempt_starts_cold(tmp_path):
     calls: list[str] = []
     pool = make_pool(calls, ["c1", "c2"])

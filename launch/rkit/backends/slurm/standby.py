@@ -164,10 +164,15 @@ class SlurmStandbyPool:
 
     def _spawn(self, node: str, why: str) -> None:
         request = self._template
-        self._count += 1
+        while True:  # a number no earlier job of the run used: its srun log would be appended to, and read again
+            self._count += 1
+            out_dir = RunDir(request.env["RKIT_RUN_DIR"]).standby_step_dir(self._count)
+            try:
+                out_dir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
         name = step_name(self._count)
-        out_dir = RunDir(request.env["RKIT_RUN_DIR"]).standby_step_dir(self._count)
-        out_dir.mkdir(parents=True, exist_ok=True)
         port = self._listen().getsockname()[1]
         token = secrets.token_hex(16)
         env = {**request.env, "RKIT_STANDBY_ADDRESS": f"{self.address}:{port}", "RKIT_STANDBY_TOKEN": token}
