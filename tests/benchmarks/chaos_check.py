@@ -44,6 +44,7 @@ def status_json(run: Path) -> dict:
 @dataclass
 class Verdict:
     checks: dict[str, list[str]] = field(default_factory=dict)  # check -> its failures ([] passed)
+    notes: list[str] = field(default_factory=list)  # what passed with a remark
 
     def add(self, check: str, failure: str | None = None) -> None:
         self.checks.setdefault(check, [])
@@ -70,7 +71,14 @@ def check(run: Path, reference: Path, faults: list[Fault], jobs: list[str]) -> t
                 f"state {status.get('state')!r}: {status.get('reason')}")
     ours, ref = merged_rank0(run), merged_rank0(reference)
     verdict.add("loss")
-    if sorted(ours) != sorted(ref):
+    # A step whose checkpoint committed as a rank was killed, restored and never trained again, has no line: MaxText
+    # writes a step's line once the next one is dispatched (seed 2: step 30, killed with its save in flight).
+    resumed = {e.get("resume_from_step") for e in evs if e["event"] == "attempt.started"}
+    unlogged = sorted(s for s in set(ref) - set(ours) if s in resumed)
+    if unlogged:
+        verdict.notes.append(f"loss: no line for step(s) {unlogged}, each restored from a checkpoint committed as a "
+                             "rank was killed, and never trained again")
+    if sorted(ours) != sorted(set(ref) - set(unlogged)):
         verdict.add("loss", f"steps {min(ours, default=None)}..{max(ours, default=None)} ({len(ours)}) against "
                             f"{min(ref)}..{max(ref)} ({len(ref)})")
     for step in sorted(set(ours) & set(ref)):
@@ -197,5 +205,7 @@ def report(seed: int, faults: list[Fault], rows: list[dict], verdict: Verdict, w
             if values:
                 parts.append(f"{key} {statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
         print(f"  {kind} x{len(group)}: " + ", ".join(parts))
+    for note in verdict.notes:
+        print(f"  note {note}")
     for name, failures in verdict.checks.items():
         print(f"  check {name}: " + ("ok" if not failures else "FAILED: " + "; ".join(failures)))
