@@ -314,20 +314,20 @@ class Campaign:
 
 
 def damage_newest(run: Path, local: bool) -> str:
-    """Bit rot in the step the next attempt restores: every data file of rank 1's newest local step (`local`), else
-    of the run directory's newest committed step, overwritten with random bytes (Orbax's files look whole: only
+    """Bit rot in the step the next attempt restores: every data file of rank 1's newest local step (`local`: its
+    node and steps are still there) unless the run directory's newest committed step is newer, else of that step,
+    overwritten with random bytes (Orbax's files look whole: only
     the restore finds it). Returns the step directory."""
     from rkit.contract.rundir import RunDir
     from rkit.runtime.trainers import localtier
 
     rundir = RunDir(run)
-    if local:
-        held = [(max(r["steps"]), Path(r["path"])) for r in localtier.records(rundir) if r["steps"]]
-        step, root = max(held)
+    steps = [p for p in rundir.orbax_dir.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()]
+    step_dir = max(steps, key=lambda p: int(p.name))
+    held = [(max(r["steps"]), Path(r["path"])) for r in localtier.records(rundir) if r["steps"]] if local else []
+    if held and max(held)[0] >= int(step_dir.name):  # the newest step a replica holds, unless the run directory's
+        step, root = max(held)                       # is newer (seed 3: a kill just after step 230 committed)
         step_dir = root / str(step)
-    else:
-        steps = [p for p in rundir.orbax_dir.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()]
-        step_dir = max(steps, key=lambda p: int(p.name))
     files = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
     for f in files:
         f.write_bytes(os.urandom(100))
