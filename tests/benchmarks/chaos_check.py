@@ -73,7 +73,8 @@ def check(run: Path, reference: Path, faults: list[Fault], jobs: list[str]) -> t
     verdict.add("loss")
     # A step whose checkpoint committed as a rank was killed, restored and never trained again, has no line: MaxText
     # writes a step's line once the next one is dispatched (seed 2: step 30, killed with its save in flight).
-    resumed = {e.get("resume_from_step") for e in evs if e["event"] == "attempt.started"}
+    resumed = {e.get("resume_from_step") for e in evs if e["event"] == "attempt.started"} | {
+        e.get("step") for e in evs if e["event"] == "checkpoint.restored"}  # (a newer step than planned, at times)
     unlogged = sorted(s for s in set(ref) - set(ours) if s in resumed)
     if unlogged:
         verdict.notes.append(f"loss: no line for step(s) {unlogged}, each restored from a checkpoint committed as a "
