@@ -783,7 +783,20 @@ TENSORSTORE_FULL = ("E1207 21:19:00.479408 future.py:387] [process=1] _Signaling
                     "state.orbax-checkpoint-tmp/ocdbt.process_1/\": Failed writing: No space left on device")
 ORBAX_THEN_OSERROR = ("E1207 21:32:13.608951 140065553540800 async_checkpointer.py:264] [process=1] Failed to run 4 "
                       "Handler Commit operations or the Commit callback in background save thread, directory: "
-                      "/local/nvme/c2/rkit-chaos-1/c2-0/126\nOSError: [Errno 28] No space left on device")
+                      "/local/nvme/c2/rkit-chaos-1/c2-0/126\nTraceback (most recent call last):\n  File "
+                      "\"/opt/venv/lib/python3.13/site-packages/etils/epath/abstract_path.py\", line 224, in "
+                      "write_text\n    with self.open('w') as f:\nOSError: [Errno 28] No space left on device")
+
+
+def test_a_traceback_before_a_bare_oserror_is_not_taken_for_where_the_write_went(tmp_path):
+    """CI: the run directory's file system full; the bare OSError followed a traceback whose `File "/opt/venv/..."`
+    lines were read as the write's path ("outside the run directory"): only a write's own words name it."""
+    said = ("Traceback (most recent call last):\n  File \"/opt/venv/lib/python3.13/site-packages/etils/epath/"
+            "abstract_path.py\", line 224, in write_text\nOSError: [Errno 28] No space left on device")
+    sup, _ = make(tmp_path, Script(diskfull=(None, 8, said)), "resilience.hang_timeout=600")
+    outcome = attempt(sup)
+    assert outcome.cause is Cause.DISK_FULL and "(file system " in outcome.detail, outcome.detail
+    assert "bytes free)" in outcome.detail and "outside the run directory" not in outcome.detail
 
 
 @pytest.mark.parametrize("said", [TENSORSTORE_FULL, ORBAX_THEN_OSERROR])

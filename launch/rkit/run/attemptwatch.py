@@ -167,7 +167,7 @@ class AttemptWatch:
         (checkpoint.local_dir) or another file system of the rank's node, which this host cannot measure (its own
         file at that path, if any, is another disk). None for a write into the run directory, or no path."""
         found = WRITE_PATH.search(line)
-        path = (found.group(1) or found.group(2)) if found else self.logs.disk_full_path()
+        path = next(p for p in found.groups() if p) if found else self.logs.disk_full_path()
         if path is None:
             return None
         root = os.path.realpath(self.sup.run.path)

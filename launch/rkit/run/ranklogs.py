@@ -15,9 +15,10 @@ from rkit.contract.safeio import open_regular
 DISK_FULL = re.compile(rb"No space left on device|Disk quota exceeded|\[Errno 28\]|\[Errno 122\]"
                        rb"|RESOURCE_EXHAUSTED[^\n]*(?:[Ee]rror writing|[Ww]rite|[Nn]o space|[Qq]uota)")
 MAX_READ = 1 << 20  # per log and look: a burst of output is read over several looks
-# A path a failed write names: quoted (TensorStore's `local file "/..."`, Python's `: '/...'`) or Orbax's
-# `directory: /...`.
-WRITE_PATH = re.compile(r"[\"'](/[^\"'\n]+)[\"']|directory: (/\S+)")
+# The path a failed write names: TensorStore's `local file "/..."`, Orbax's `directory: /...`, Python's
+# `[Errno 28] No space left on device: '/...'` (never a traceback's `File "/.../x.py"`).
+WRITE_PATH = re.compile(r"local file \"(/[^\"\n]+)\"|directory: (/\S+)"
+                        r"|(?:No space left on device|Disk quota exceeded): '(/[^'\n]+)'")
 
 
 # A restore that failed: TensorStore's DATA_LOSS/NOT_FOUND on a checkpoint's files, Orbax's own errors, MaxText
@@ -109,7 +110,7 @@ class LogScan:
         if not hit or text is None or (at := text.rfind(hit[0])) < 0:
             return None
         paths = WRITE_PATH.findall(text, max(0, at - 4096), at)
-        return next((a or b for a, b in reversed(paths)), None)
+        return next((next(p for p in found if p) for found in reversed(paths)), None)
 
     def restore_failed(self, force: bool = False) -> tuple[str, Path] | None:
         """The first log saying a restore failed, of those whose rank did not say its restore was broken off
