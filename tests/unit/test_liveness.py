@@ -233,7 +233,13 @@ def watched_pair() -> tuple[list[float], list[str], NodeLiveness]:
 def test_a_node_that_died_before_its_first_heartbeat_and_step_is_probed_not_taken_for_a_deaf_one():
     """The campaign (seed 2): a node crashed as the attempt launched; its rank's progress was the attempt's start
     (the hang watch's, before any step), read as "its ranks train", so the node was taken for one whose heartbeats
-    cannot arrive and left to Slurm, which saw it 127 s later."""
+    cannot arrive and left to Slurm, which saw it 127 s later. The liveness pass is given the hang watch's steps
+    only (`HangWatch.stepped`): before any step, none."""
+    from rkit.run.watchdog import HangPolicy, HangWatch
+
+    hang = HangWatch(HangPolicy(enabled=True, explicit=None, floor=60.0, factor=5.0, startup=600.0,
+                                checkpoint_period=10), ranks=[0, 1], started=0.0)
+    assert hang.last_progress == {0: 0.0, 1: 0.0} and hang.stepped == {}  # the start is no step
     now, probes, live = watched_pair()
     try:
         to = live.listener.sock.getsockname()
@@ -242,9 +248,11 @@ def test_a_node_that_died_before_its_first_heartbeat_and_step_is_probed_not_take
             for _ in range(int(STARTUP_SILENCE) + 2):  # c1 beats; c2 never does; neither rank steps
                 sock.sendto(heartbeat.encode(live.listener.token, "c1", 1, 0), to)
                 now[0] += 1
-                notes += live.check({0: 0.0, 1: 0.0})[0]
+                notes += live.check(hang.stepped)[0]
         assert not [n for n in notes if n["event"] == "liveness.channel"], notes
         assert probes == ["c2"]
+        hang.progress(1, 0, None, now=5.0)
+        assert hang.stepped == {1: 5.0}  # a step is
     finally:
         live.close()
 

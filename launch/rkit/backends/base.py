@@ -130,7 +130,8 @@ class Liveness(Protocol):
     def watch(self, attempt: int, nodes: list[str], tasks_per_node: int) -> None: ...
 
     def check(self, progress: Mapping[int, float]) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """This pass's liveness events, and the nodes confirmed dead with why."""
+        """This pass's liveness events, and the nodes confirmed dead with why. `progress`: each rank's latest
+        step's time, for the ranks that made one."""
         ...
 
     def close(self) -> None: ...

@@ -24,11 +24,11 @@ from rkit.run.ranklogs import (
     LOG_LINE,
     OUT_OF_MEMORY,
     PEER_FAILED,
-    WRITE_PATH,
     LogScan,
     jax_silent_tasks,
     last_error_lines,
     rank_error,
+    write_paths,
 )
 from rkit.run.stragglers import StragglerWatch
 from rkit.run.watchdog import HangPolicy, HangWatch
@@ -166,12 +166,10 @@ class AttemptWatch:
         """Where a failed write went when its line names a path outside the run directory: the node-local tier
         (checkpoint.local_dir) or another file system of the rank's node, which this host cannot measure (its own
         file at that path, if any, is another disk). None for a write into the run directory, or no path."""
-        found = WRITE_PATH.search(line)
-        path = next(p for p in found.groups() if p) if found else self.logs.disk_full_path()
+        path = next(iter(write_paths(line)), None) or self.logs.disk_full_path()
         if path is None:
             return None
-        root = os.path.realpath(self.sup.run.path)
-        if Path(path).is_relative_to(self.sup.run.path) or path == root or path.startswith(root + "/"):
+        if any(Path(path).is_relative_to(root) for root in (self.sup.run.path, os.path.realpath(self.sup.run.path))):
             return None
         local = self.sup.config.checkpoint.local_dir
         prefix = local.split("$", 1)[0].rstrip("/") if local else None

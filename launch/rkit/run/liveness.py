@@ -281,8 +281,10 @@ class NodeLiveness:
         self.ranks_of = {n: list(range(i * tasks_per_node, (i + 1) * tasks_per_node)) for i, n in enumerate(nodes)}
 
     def check(self, progress: Mapping[int, float]) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """One pass: read heartbeats, settle probes, start new ones. Returns the notes to record as events
-        ({"event": name, ...}) and the nodes confirmed dead with why."""
+        """One pass: read heartbeats, settle probes, start new ones. `progress`: when each rank made its latest
+        step, for the ranks that made one (a rank not yet stepping is absent: the hang watch's start-of-attempt
+        time read as a step took a node that died at launch for one whose heartbeats cannot arrive). Returns the
+        notes to record as events ({"event": name, ...}) and the nodes confirmed dead with why."""
         now = self.clock()
         away, self.last_pass = (0.0 if self.last_pass is None else now - self.last_pass), now
         notes: list[dict[str, Any]] = []
@@ -355,9 +357,8 @@ class NodeLiveness:
         heartbeat no longer watches them (no probe storm whenever a step is slow): Slurm's view does."""
         notes = []
         for node, ranks in self.ranks_of.items():
-            # (a rank's progress starts at the attempt's start, before its first step: only a later one is a step)
             if node in self.heard or node in self.deaf or now < self.watched_at + STARTUP_SILENCE or \
-                    not any(progress.get(r, self.watched_at) > self.watched_at + 1.0 for r in ranks):
+                    not any(r in progress for r in ranks):
                 continue
             self.deaf.add(node)
             where = self.listener.environment()[heartbeat.ADDRESS_ENV]

@@ -21,6 +21,12 @@ WRITE_PATH = re.compile(r"local file \"(/[^\"\n]+)\"|directory: (/\S+)"
                         r"|(?:No space left on device|Disk quota exceeded): '(/[^'\n]+)'")
 
 
+def write_paths(text: str, start: int = 0, end: int | None = None) -> list[str]:
+    """The paths failed writes name in text[start:end] (WRITE_PATH), in order."""
+    found = WRITE_PATH.findall(text, start, len(text) if end is None else end)
+    return [next(p for p in groups if p) for groups in found]
+
+
 # A restore that failed: TensorStore's DATA_LOSS/NOT_FOUND on a checkpoint's files, Orbax's own errors, MaxText
 # refusing a step directory it cannot use.
 RESTORE_FAILED = re.compile(rb"DATA_LOSS|Error reading shard|NOT_FOUND: [^\n]*(?:ocdbt|checkpoint|orbax)"
@@ -109,8 +115,7 @@ class LogScan:
         text = tail_text(hit[1]) if hit else None
         if not hit or text is None or (at := text.rfind(hit[0])) < 0:
             return None
-        paths = WRITE_PATH.findall(text, max(0, at - 4096), at)
-        return next((next(p for p in found if p) for found in reversed(paths)), None)
+        return next(reversed(write_paths(text, max(0, at - 4096), at)), None)
 
     def restore_failed(self, force: bool = False) -> tuple[str, Path] | None:
         """The first log saying a restore failed, of those whose rank did not say its restore was broken off

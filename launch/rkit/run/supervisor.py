@@ -357,7 +357,7 @@ class Supervisor:
         liveness = self.backend.liveness
         if liveness is None:
             return {}
-        notes, dead = liveness.check(watch.hang.last_progress)
+        notes, dead = liveness.check(watch.hang.stepped)
         for note in notes:
             self.run.emit(note.pop("event"), attempt=attempt, **note)
         return dead

@@ -64,8 +64,9 @@ class HangWatch:
     ranks: list[int]
     started: float
     step_times: list[float] = field(default_factory=list)
-    last_progress: dict[int, float] = field(default_factory=dict)
+    last_progress: dict[int, float] = field(default_factory=dict)  # from the attempt's start (`started`) on
     last_step: dict[int, int | None] = field(default_factory=dict)
+    stepped: dict[int, float] = field(default_factory=dict)  # the ranks that made a step: when their latest was
 
     def __post_init__(self) -> None:
         for rank in self.ranks:
@@ -76,7 +77,7 @@ class HangWatch:
         previous = self.last_step.get(rank)
         if previous is None or step > previous:
             self.last_step[rank] = step
-            self.last_progress[rank] = now
+            self.last_progress[rank] = self.stepped[rank] = now
             if step_time is not None and step_time > 0 and rank == self.ranks[0]:
                 self.step_times.append(float(step_time))
                 del self.step_times[:-1000]  # a window: the median of the recent steps

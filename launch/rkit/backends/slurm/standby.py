@@ -164,14 +164,15 @@ class SlurmStandbyPool:
 
     def _spawn(self, node: str, why: str) -> None:
         request = self._template
+        run = RunDir(request.env["RKIT_RUN_DIR"])
         while True:  # a number no earlier job of the run used: its srun log would be appended to, and read again
             self._count += 1
-            out_dir = RunDir(request.env["RKIT_RUN_DIR"]).standby_step_dir(self._count)
+            out_dir = run.standby_step_dir(self._count)
             try:
                 out_dir.mkdir(parents=True)
                 break
             except FileExistsError:
-                continue
+                pass
         name = step_name(self._count)
         port = self._listen().getsockname()[1]
         token = secrets.token_hex(16)
