@@ -160,6 +160,8 @@ class FakeBackend:
                 handle.exits[rank] = RankExit(rank, code[0], "n1")
             elif rank == 0 and (raced := self.script.at("peerrace", handle.attempt, step)):
                 peer_race(self.run, handle, step, raced[0])
+            elif rank == 0 and (inj := self.script.at("injrace", handle.attempt, step)):
+                injected_race(self.run, handle, step, inj[0])
             elif rank == 0 and (lag := self.script.at("peerlag", handle.attempt, step)):
                 peer_lag(self.run, handle, step, lag[0])
                 self.peer_failed_at = self.sup_ref[0].clock.now
@@ -263,7 +265,7 @@ class FakeBackend:
 
 
 # What the CI's Slurm run showed (stop 35): rank 0 fails by itself and its peer's collective breaks with it.
-OWN_WORDS = "rkit: injected fault 'exit:rank=0,step={step},code=3,repeat=true' fires at step {step}"
+OWN_WORDS = "ValueError: the batch of step {step} holds no tokens"
 PEER_WORDS = ("jax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:538] Read "
               "error [127.0.0.1]:{port}: Connection reset by peer")
 
@@ -273,7 +275,7 @@ def peer_race(run: RunDir, handle: FakeHandle, step: int, raced: tuple[int, ...]
     rank 1's abort first and ends rank 0 itself (SIGTERM, its exit code lost), as under load on the test bed; in
     the others rank 0's own exit is first and srun kills rank 1. `silent`: rank 0 says nothing and srun's kill of
     it is a SIGKILL (a task it did not name)."""
-    for rank, said in ((0, "" if silent else OWN_WORDS.format(step=step + 1)),
+    for rank, said in ((0, "" if silent else "Traceback (most recent call last):\n" + OWN_WORDS.format(step=step + 1)),
                        (1, "Traceback (most recent call last):\n  File \"train.py\", line 9\n"
                            + PEER_WORDS.format(port=57000 + handle.attempt))):
         log = run.rank_log(handle.attempt, rank)
@@ -285,6 +287,19 @@ def peer_race(run: RunDir, handle: FakeHandle, step: int, raced: tuple[int, ...]
     else:
         handle.exits[0] = RankExit(0, 3, "n1")
         handle.exits[1] = RankExit(1, -signal.SIGKILL, "n2", ended_by_launcher=True)
+
+
+def injected_race(run: RunDir, handle: FakeHandle, step: int, spec: str) -> None:
+    """Chaos seed 3 (2026-12-07): rank 1 ends itself through `--inject` (its line, then its SIGKILL or exit), yet
+    srun hears rank 0's exit first (its Gloo pair closed by the peer) and reports rank 1 as its own kill
+    ("task 1: Terminated" after "Terminating StepId"): rank 1's own exit is lost from srun's report."""
+    for rank, said in ((1, f"rkit: injected fault {spec!r} fires at step {step + 1}"),
+                       (0, "Traceback (most recent call last):\n" + PEER_WORDS.format(port=57000))):
+        log = run.rank_log(handle.attempt, rank)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"I1207 completed step: {step}\n{said}\n")
+    handle.exits[0] = RankExit(0, 1, "n1")
+    handle.exits[1] = RankExit(1, -signal.SIGTERM, "n2", ended_by_launcher=True)
 
 
 def peer_lag(run: RunDir, handle: FakeHandle, step: int, polls: int) -> None:
@@ -648,6 +663,20 @@ def test_a_crash_loop_is_seen_whichever_of_two_failing_ranks_srun_names_first(tm
     last = ("rank 0 failed (the launcher ended it with SIGTERM once rank 1 exited with code 134) after step 6"
             if 2 in raced else "rank 0 exited with code 3 after step 6")
     assert f"{last}: {OWN_WORDS.format(step=7)}" in gave_up
+
+
+@pytest.mark.parametrize("spec, cause, code, how", [
+    ("lose_local:rank=1,step=7", Cause.TASK_SIGNAL, -signal.SIGKILL, "killed by SIGKILL"),
+    ("kill:rank=1,step=7", Cause.TASK_SIGNAL, -signal.SIGKILL, "killed by SIGKILL"),
+    ("exit:rank=1,step=7,code=42", Cause.TASK_EXIT, 42, "exited with code 42"),
+])
+def test_a_rank_srun_ended_after_its_own_injected_fault_keeps_its_own_exit(tmp_path, spec, cause, code, how):
+    sup, _ = make(tmp_path, Script(injrace=(1, 6, spec)))
+    outcome = attempt(sup)
+    assert (outcome.cause, outcome.rank, outcome.code) == (cause, 1, code)
+    assert outcome.detail.startswith(f"rank 1 {how} after step 5: rkit: injected fault {spec!r}"), outcome.detail
+    failed = events(sup.run, EV.ATTEMPT_FAILED)[0]
+    assert failed["cls"] == cause.value and "ended_by_launcher" not in failed
 
 
 def test_a_rank_blaming_its_peer_waits_for_the_peers_own_exit_to_name_the_culprit(tmp_path):

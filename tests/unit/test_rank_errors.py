@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from rkit.run import oomkills
-from rkit.run.ranklogs import PEER_FAILED, jax_silent_tasks, rank_error
+from rkit.run.ranklogs import PEER_FAILED, injected_exit, jax_silent_tasks, rank_error
 
 
 def log(tmp_path: Path, text: str) -> Path:
@@ -181,3 +183,17 @@ def test_the_error_lines_of_a_failed_restore_are_the_errors_not_the_tracebacks_s
         'Error reading "params.zarray"\n')
     assert last_error_lines(log) == ["Exception: Encountered error while reading array index (0,) in "
                                      'checkpoints/39/items/params: DATA_LOSS: Error reading "params.zarray"']
+
+
+@pytest.mark.parametrize("said, code", [
+    ("rkit: injected fault 'kill:rank=1,step=7' fires at step 7", -9),
+    ("rkit: injected fault 'lose_local:rank=1,step=103' fires at step 103", -9),
+    ("rkit: injected fault 'kill_restore:rank=1' fires at step 160", -9),
+    ("rkit: injected fault 'exit:rank=0,step=78,code=92' fires at step 78", 92),
+    ("rkit: injected fault 'exit:rank=0,step=78' fires at step 78", 1),
+    ("rkit: injected fault 'hang:rank=0,step=117' fires at step 117", None),
+    ("ValueError: rkit: injected fault 'kill:rank=1,step=7' fires", None),
+    (None, None),
+])
+def test_the_exit_a_rank_gave_itself_through_inject_is_read_from_its_own_line(said, code):
+    assert injected_exit(said) == code

@@ -25,6 +25,7 @@ from rkit.run.ranklogs import (
     OUT_OF_MEMORY,
     PEER_FAILED,
     LogScan,
+    injected_exit,
     jax_silent_tasks,
     last_error_lines,
     rank_error,
@@ -222,11 +223,14 @@ class AttemptWatch:
         own words and how it ran out of memory (`failure`). A rank whose collective broke because a peer went away
         (ranklogs.PEER_FAILED) is the culprit only when no other is: under load srun may report the peer's abort
         before the failing rank's own exit, or end the failing rank itself (--kill-on-bad-exit) before its exit
-        is seen. At most `CULPRIT_LOGS` logs are read, on a shared file system, once per failed attempt."""
+        is seen; the exit a rank ended by srun gave itself through rkit's `--inject` is its own again
+        (`injected_exit`). At most `CULPRIT_LOGS` logs are read, on a shared file system, once per failed attempt."""
         ranked: dict[int, tuple[RankExit, str | None, str | None]] = {}
         for rank_exit in failed[:CULPRIT_LOGS]:
             said, oom = self.failure(rank_exit)
             if oom is not None or (said is not None and not PEER_FAILED.search(said)):
+                if rank_exit.ended_by_launcher and (code := injected_exit(said)) is not None:
+                    rank_exit = RankExit(rank_exit.rank, code, rank_exit.node)  # its own (injected) exit, not srun's
                 return rank_exit, said, oom  # its own words: the culprit
             # Else, best first: a rank that died silently of its own (a SIGKILL from outside), one whose peer went
             # away, one the launcher ended with nothing said.

@@ -369,6 +369,7 @@ class Supervisor:
         if failed:
             watch.read(force=True)  # a failed rank's last lines may have landed after this round's read
             culprit, said, oom = watch.culprit(failures)
+            exits = {**exits, culprit.rank: culprit}  # its own exit where srun's report lost it (an injected one)
             oom = handle.out_of_memory or oom  # Slurm's cgroup saw it on the rank's node
         step = watch.progress.step
         hang = None if failed else watch.hang.check(self.clock())
@@ -401,7 +402,7 @@ class Supervisor:
             self.backend.stop(handle, grace=0)
         if ending.cause in (Cause.TASK_EXIT, Cause.TASK_SIGNAL, Cause.NODE_FAIL, Cause.DISK_FULL, Cause.STEP_FAILED,
                             Cause.OUT_OF_MEMORY):
-            first = handle.exits.get(ending.rank) if ending.rank is not None else None
+            first = next((e for e in observed.exits if e.rank == ending.rank), None)  # (its own, `_observe`)
             detected = {} if ending.cause is not Cause.NODE_FAIL else detection(
                 self.backend.liveness, ending.nodes, self.clock(), by_rkit=bool(observed.dead_nodes),
                 launcher="slurm" if self.backend.name == "slurm" else "the launcher", jax=observed.jax_peer_lost)
