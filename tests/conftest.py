@@ -114,18 +114,23 @@ MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 #   waits with the other groups' computing. They need the cpu image, which the image group builds first
 #   (cpu_image below: one build, the other worker waits for it);
 # - "image": the cpu image's build and what runs in it, the base image's two builds, the report's, Prometheus' and
-#   real data's runs, the speed gate's (quiet) runs, and the unit modules that compute most;
-# - "host": MaxText on the host (the fault tests) and the rest of the unit tests.
+#   real data's runs, the speed gate's (quiet) runs;
+# - "host": MaxText on the host (the fault tests).
 # Measured beside a CPU hog in a fresh clone with two workers (image + Slurm in one, 3,400 s; host 3,950 s), the
 # Slurm modules' 2,420 s held a worker that was idle half the time. With real data in the Slurm group (quiet, three
 # workers) the image group reached its quiet tests 1,420 s in, which then held the Slurm group (half done) back:
 # real data went to the image group, whose other work ends first. (xdist's own --dist loadgroup cannot do it under
 # pytest 9: it renames items through Item._nodeid, which pytest 9 no longer reads; the scheduler below groups by
 # module instead.)
+#
+# The unit modules are not grouped: each is a scope of its own, which xdist hands to the first worker whose own work
+# runs low (it takes a scope once two or fewer of its tests are pending). Beside a CPU hog at 4756822 the static
+# split left the host worker done at 2,310 s with the image worker at 3,077 s, two of the image group's 8 modules
+# unit modules (352 s) that any worker could have run.
 XDIST_GROUPS = {
     "slurm": ("test_slurm.py", "test_slurm_liveness.py"),
     "image": ("test_images.py", "test_image_bytes.py", "test_report.py", "test_prometheus.py", "test_real_data.py",
-              "test_bench.py", "test_damaged_runs.py", "test_container_definitions.py"),
+              "test_bench.py"),
 }
 
 
@@ -137,6 +142,11 @@ def module_name(nodeid: str) -> str:
 
 
 def xdist_scope(nodeid: str) -> str:
+    """The worker's share a test belongs to: its integration group (XDIST_GROUPS, else "host": MaxText on the host),
+    or, for a unit test, its own module (taken by whichever worker runs low first)."""
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/unit/"):
+        return path
     module = module_name(nodeid)
     return next((group for group, modules in XDIST_GROUPS.items() if module in modules), "host")
 
