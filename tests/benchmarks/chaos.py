@@ -296,7 +296,8 @@ class Campaign:
             previous = self.faults[fault.index - 1]
             fault.attempt, fault.at = previous.attempt + 1, time.time()
             local = previous.kind in RESTORES_LOCAL and not (previous.kind == "lose_local" and previous.rank == 1)
-            where = damage_newest(self.run, local)
+            ended = json.loads((self.run / "attempts" / str(previous.attempt) / "attempt.json").read_text())
+            where = damage_newest(self.run, local, ended["launch"]["nodes"])
             print(f"  fired {fault.describe()}: {where} overwritten after attempt {previous.attempt}", flush=True)
             return
         if fault.kind == "disk_full":
@@ -313,25 +314,30 @@ class Campaign:
               f"{fault.at - began:.1f} s)", flush=True)
 
 
-def damage_newest(run: Path, local: bool) -> str:
-    """Bit rot in the step the next attempt restores: every data file of rank 1's newest local step (`local`: its
-    node and steps are still there) unless the run directory's newest committed step is newer, else of that step,
-    overwritten with random bytes (Orbax's files look whole: only
-    the restore finds it). Returns the step directory."""
+def damage_newest(run: Path, local: bool, nodes: list[str]) -> str:
+    """Bit rot in the step the next attempt restores, overwritten with random bytes (Orbax's files look whole:
+    only the restore finds it): every data file of rank 1's copy of the newest local step (`local`: its node and
+    steps are still there; `nodes`: the ended attempt's, whose replicas the next one restores from), unless the run
+    directory's newest committed step is newer, else of that step. Returns the step directory."""
     from rkit.contract.rundir import RunDir
     from rkit.runtime.trainers import localtier
 
     rundir = RunDir(run)
     steps = [p for p in rundir.orbax_dir.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()]
     step_dir = max(steps, key=lambda p: int(p.name))
-    held = [(max(r["steps"]), Path(r["path"])) for r in localtier.records(rundir) if r["steps"]] if local else []
-    if held and max(held)[0] >= int(step_dir.name):  # the newest step a replica holds, unless the run directory's
-        step, root = max(held)                       # is newer (seed 3: a kill just after step 230 committed)
-        step_dir = root / str(step)
+    # On disk: the records can lag the last save (seed 1 at 78573f6 damaged step 134; the restore read 136).
+    roots = {r["rank"]: Path(r["path"]) for r in localtier.records(rundir) if r.get("node") in nodes} if local else {}
+    common = set.intersection(*[on_disk(root) for root in roots.values()]) if roots else set()
+    if 1 in roots and common and max(common) >= int(step_dir.name):
+        step_dir = roots[1] / str(max(common))
     files = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
     for f in files:
         f.write_bytes(os.urandom(100))
     return f"{step_dir} ({len(files)} data files)"
+
+
+def on_disk(root: Path) -> set[int]:  # a replica's steps (Orbax writes a step under a temporary name first)
+    return {int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir()} if root.is_dir() else set()
 
 
 def rank0_step(run: Path) -> int:

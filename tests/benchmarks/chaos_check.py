@@ -30,7 +30,14 @@ def in_queue(job: str) -> bool:
 
 
 def final(evs: list[dict]) -> dict | None:
-    return next((e for e in reversed(evs) if e["event"] in ("run.finished", "run.gave_up")), None)
+    """How the run ended, if it has: none when a job was submitted after it (a resume; seed 1 at 78573f6 read the
+    full disk's end before the resume as the run's and brought a node back a second after crashing it)."""
+    for e in reversed(evs):
+        if e["event"] in ("run.finished", "run.gave_up"):
+            return e
+        if e["event"] == "job.submitted":
+            return None
+    return None
 
 
 def status_json(run: Path) -> dict:
