@@ -326,12 +326,13 @@ def damage_newest(run: Path, local: bool, nodes: list[str]) -> str:
     steps = [p for p in rundir.orbax_dir.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()]
     step_dir = max(steps, key=lambda p: int(p.name))
     # On disk: the records can lag the last save (seed 1 at 78573f6 damaged step 134; the restore read 136).
-    # (and a crashed node's record is gone): each node's folder as rkit lays it out, one process a node.
+    # (and a crashed node's record is gone): each node's folder as rkit lays it out, one process a node; Orbax keeps
+    # local steps on the replicas after the first only (rank 0's folder stays empty).
     local_dir = f"{LOCAL_FS / run.parent.parent.name}/$SLURMD_NODENAME"
-    roots = [localtier.run_root(local_dir, rundir, {"SLURMD_NODENAME": n}) / f"{n}-0" for n in nodes] if local else []
-    common = set.intersection(*[on_disk(root) for root in roots]) if roots else set()
+    roots = [localtier.run_root(local_dir, rundir, {"SLURMD_NODENAME": n}) / f"{n}-0" for n in nodes[1:]]
+    common = set.intersection(*[on_disk(root) for root in roots]) if roots and local else set()
     if common and max(common) >= int(step_dir.name):
-        step_dir = roots[1] / str(max(common))
+        step_dir = roots[0] / str(max(common))
     files = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
     for f in files:
         f.write_bytes(os.urandom(100))
