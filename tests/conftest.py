@@ -163,6 +163,9 @@ if importlib.util.find_spec("xdist") is not None:
             def _split_scope(self, nodeid: str) -> str:
                 return xdist_scope(nodeid)
 
+        # In the order collected (the groups first), not xdist's default of the scopes with most tests first, which
+        # handed a worker the unit modules' hundreds of cases and left the Slurm group for whoever ran low.
+        config.option.loadscopereorder = False
         return ByGroup(config, log)
 
 
