@@ -209,24 +209,22 @@ FATAL_LINE = re.compile(r"^F\d{4} ")  # absl/glog's LOG(FATAL), which then abort
 # lines (XLA, gRPC, TensorStore), Orbax's and XLA's RESOURCE_EXHAUSTED / DATA_LOSS.
 RUNTIME_ERROR = re.compile(r"^[FE]\d{4} |Check failed|RESOURCE_EXHAUSTED|DATA_LOSS|INTERNAL:|Segmentation fault|"
                            r"Fatal Python error|^rkit: injected fault ")
-# rkit's own `--inject` line, which a rank writes just before it ends itself (runtime.agent._act): what it did.
-INJECTED_FAULT = re.compile(r"^rkit: injected fault '(\w+):([^']*)' fires")
+# rkit's own `--inject` line, which a rank writes just before it ends itself (runtime.agent._act): its spec.
+INJECTED_FAULT = re.compile(r"^rkit: injected fault '([^']*)' fires")
 
 
 def injected_exit(said: str | None) -> int | None:
-    """The exit a rank gave itself when its own last words are rkit's `--inject` line: -9 (SIGKILL, subprocess
-    convention) for kill, lose_local and kill_restore, the injection's code for exit; None for anything else. When
-    srun ended such a rank after a peer's exit (--kill-on-bad-exit), its own exit is lost from srun's report, but
-    rkit made it and knows it."""
+    """The exit a rank gave itself when its own last words are rkit's `--inject` line (`Injection.own_exit`: -9
+    for its SIGKILL, the injection's code for exit); None for anything else. When srun ended such a rank after a
+    peer's exit (--kill-on-bad-exit), its own exit is lost from srun's report, but rkit made it and knows it."""
+    from rkit.contract.errors import RkitError
+    from rkit.runtime.inject import parse_injection
+
     hit = INJECTED_FAULT.match(said or "")
-    if hit is None:
+    try:
+        return parse_injection(hit.group(1)).own_exit if hit else None
+    except RkitError:
         return None
-    kind, fields = hit.group(1), dict(f.partition("=")[::2] for f in hit.group(2).split(",") if f)
-    if kind in ("kill", "lose_local", "kill_restore"):
-        return -9
-    if kind == "exit":
-        return int(fields.get("code", "1")) if fields.get("code", "1").isdigit() else None
-    return None
 
 
 # A rank that failed because a peer went away, not for a cause of its own: its collective's connection to the peer

@@ -27,7 +27,7 @@ from rkit.contract.heartbeat import JAX_HEARTBEAT_ENV
 from rkit.contract.rundir import UMASK_ENV, RunDir, open_for_writing, write_json_atomic
 from rkit.runtime import determinism, devices
 from rkit.runtime.compilecache import cache_every_compilation, cache_every_process
-from rkit.runtime.inject import FIRED_EVENT, Injection
+from rkit.runtime.inject import FIRED_EVENT, KILLS_ITS_RANK, Injection
 from rkit.runtime.rankexit import exit_without_teardown
 from rkit.runtime.telemetry import metrics
 from rkit.runtime.telemetry.metrics import MetricsTail
@@ -125,7 +125,7 @@ def fire(ctx: AgentContext, inj: Injection, step: int, tier: LocalTier | None = 
 def _act(inj: Injection, step: int) -> None:
     sys.stderr.write(f"rkit: injected fault {inj.spec!r} fires at step {step}\n")
     sys.stderr.flush()
-    if inj.kind in ("kill", "lose_local", "kill_restore"):
+    if inj.kind in KILLS_ITS_RANK:
         os.kill(os.getpid(), signal.SIGKILL)
     if inj.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; the process lives on, silent

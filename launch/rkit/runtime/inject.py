@@ -22,6 +22,7 @@ Add `repeat=true` to fire in every attempt (a deterministic failure); by default
 
 from __future__ import annotations
 
+import signal
 from dataclasses import asdict, dataclass
 
 from rkit.contract.config import Config
@@ -35,6 +36,7 @@ REQUIRED = {"kill": {"rank", "step"}, "exit": {"rank", "step"}, "hang": {"rank",
             "preempt": {"step"}, "lose_node": {"rank", "step"}, "lose_local": {"rank", "step"},
             "kill_restore": {"rank"}}
 FIRED_EVENT = EV.INJECT_FIRED
+KILLS_ITS_RANK = ("kill", "lose_local", "kill_restore")  # the rank SIGKILLs itself (runtime.agent's _act)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,14 @@ class Injection:
         """kill, exit, hang, lose_local and kill_restore act inside the rank's own process; sigterm, preempt and
         lose_node are the supervisor's."""
         return self.kind in ("kill", "exit", "hang", "lose_local", "kill_restore")
+
+    @property
+    def own_exit(self) -> int | None:
+        """The exit the rank gives itself when this fires in its process (subprocess convention: -9 its SIGKILL);
+        None for a hang (it lives on, stopped) and the supervisor's kinds."""
+        if self.kind in KILLS_ITS_RANK:
+            return -signal.SIGKILL
+        return self.code if self.kind == "exit" else None
 
     def as_dict(self) -> dict:
         return asdict(self)
