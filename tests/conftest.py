@@ -125,8 +125,8 @@ MIRROR = ["--build-arg", "MIRROR=http://deb.debian.org/debian"]
 #
 # The unit modules are not grouped: each is a scope of its own, which xdist hands to the first worker whose own work
 # runs low (it takes a scope once two or fewer of its tests are pending). Beside a CPU hog at 4756822 the static
-# split left the host worker done at 2,310 s with the image worker at 3,077 s, two of the image group's 8 modules
-# unit modules (352 s) that any worker could have run.
+# split left the host worker done at 2,310 s with the image worker at 3,077 s, which also held two unit modules
+# (352 s) that any worker could have run.
 XDIST_GROUPS = {
     "slurm": ("test_slurm.py", "test_slurm_liveness.py"),
     "image": ("test_images.py", "test_image_bytes.py", "test_report.py", "test_prometheus.py", "test_real_data.py",

@@ -325,9 +325,9 @@ def damage_newest(run: Path, local: bool, nodes: list[str]) -> str:
     rundir = RunDir(run)
     steps = [p for p in rundir.orbax_dir.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()]
     step_dir = max(steps, key=lambda p: int(p.name))
-    # On disk: the records can lag the last save (seed 1 at 78573f6 damaged step 134; the restore read 136).
-    # (and a crashed node's record is gone): each node's folder as rkit lays it out, one process a node; Orbax keeps
-    # local steps on the replicas after the first only (rank 0's folder stays empty).
+    # Read on disk, in each node's folder as rkit lays it out (one process a node), not from the local tier's
+    # records: they can lag the last save (seed 1 at 78573f6 damaged step 134; the restore read 136), and a crashed
+    # node's is gone. Orbax keeps local steps on the replicas after the first only (rank 0's folder stays empty).
     local_dir = f"{LOCAL_FS / run.parent.parent.name}/$SLURMD_NODENAME"
     roots = [localtier.run_root(local_dir, rundir, {"SLURMD_NODENAME": n}) / f"{n}-0" for n in nodes[1:]]
     common = set.intersection(*[on_disk(root) for root in roots]) if roots and local else set()
